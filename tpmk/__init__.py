@@ -1,0 +1,3 @@
+from tpmk.config import ModelConfig, RuntimeConfig
+
+__all__ = ["ModelConfig", "RuntimeConfig"]
