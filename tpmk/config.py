@@ -104,7 +104,7 @@ class ModelConfig:
         # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
         rope = dict(d.get("rope_parameters") or {})
         legacy_scaling = d.get("rope_scaling") or {}
-        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0  # keys may be null
         scaling_src = legacy_scaling or rope
         rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default"))
         if rope_type == "llama3":
@@ -117,7 +117,7 @@ class ModelConfig:
             scaling = None
         else:
             raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default' and 'llama3')")
-        dtype = d.get("dtype", d.get("torch_dtype")) or "bfloat16"
+        dtype = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
         return cls(
             name=name,
             vocab_size=d["vocab_size"],
