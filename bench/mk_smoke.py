@@ -1,0 +1,21 @@
+"""Tiny megakernel run for compute-sanitizer (memcheck / racecheck): tp=2, 3 steps."""
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")
+from _mk_helpers import empty_caches, shards_for  # noqa: E402
+from tpmk.config import ModelConfig  # noqa: E402
+from tpmk.kernels.megakernel import Megakernel  # noqa: E402
+from tpmk.kernels.schedule import build_schedule  # noqa: E402
+
+cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
+tp = 2
+_, shards = shards_for(cfg, tp, dtype=torch.bfloat16)
+sched = build_schedule(cfg, tp, 2, 4)
+kc, vc = empty_caches(cfg, tp, 8, 16, dtype=torch.bfloat16)
+mk = Megakernel(cfg, sched, [s.to("cuda") for s in shards], [k.cuda() for k in kc],
+                [v.cuda() for v in vc], timeout_s=60.0)
+for pos, toks in enumerate([[5, 6], [7, 8], [9, 10]]):
+    out = mk.step(toks, [pos, pos], [[0, 1], [2, 3]])
+print("smoke ok", out.tolist())

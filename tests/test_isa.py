@@ -1,0 +1,63 @@
+"""Instruction-set layout: the generated CUDA header must match isa.py, encode/decode round-trips."""
+import ctypes
+
+import pytest
+
+from tpmk.config import ModelConfig
+from tpmk.kernels import isa
+from tpmk.kernels.ops import REGISTRY, Instruction
+from tpmk.kernels.schedule import build_schedule
+
+
+def test_generated_header_matches_isa():
+    assert isa.HEADER_PATH.read_text() == isa.generate_header(), (
+        "csrc/isa_generated.cuh drifted from isa.py; run `python -m tpmk.kernels.isa`")
+
+
+def test_kernel_args_layout_is_packed_as_cuda_expects():
+    # 8-byte members first, then 4-byte: the natural C layout has no padding holes.
+    size = sum(ctypes.sizeof(ctypes.c_uint64 if t in (isa.PTR, isa.I64) else ctypes.c_int32) * c
+               for _, t, c in isa.KERNEL_ARGS)
+    assert ctypes.sizeof(isa.KernelArgs) == size
+
+
+def test_every_opcode_has_one_class_and_one_cuda_file():
+    assert sorted(REGISTRY) == sorted(int(o) for o in isa.Opcode)
+    csrc = isa.HEADER_PATH.parent / "ops"
+    for cls in REGISTRY.values():
+        if cls.opcode == isa.Opcode.NOP:
+            continue
+        assert (csrc / f"{cls.name}.cuh").exists(), f"missing csrc/ops/{cls.name}.cuh"
+        assert f"op_{cls.name}(" in (csrc / f"{cls.name}.cuh").read_text()
+
+
+@pytest.mark.parametrize("name,tp", [("tiny", 2), ("tiny-gqa", 8)])
+def test_encode_decode_roundtrip(name, tp):
+    sched = build_schedule(ModelConfig.from_name(name), tp, bucket=3, num_sms=4)
+    words, starts = sched.encode()
+    assert words.shape == (len(sched.instructions), isa.INSTR_WORDS)
+    assert starts[-1] == len(sched.instructions)
+    for w, ins in zip(words.tolist(), sched.instructions):
+        back = Instruction.decode(w)
+        assert type(back) is type(ins) and back.encode() == w
+
+
+def test_too_many_waits_is_an_error():
+    with pytest.raises(ValueError, match="at most 2"):
+        Instruction(waits=[(0, 1), (1, 1), (2, 1)]).encode()
+
+
+@pytest.mark.parametrize("dtype,fast", [("bfloat16", False), ("bfloat16", True)])
+def test_megakernel_compiles_for_sm90a_with_nvrtc(dtype, fast, tmp_path, monkeypatch):
+    """CPU-only: NVRTC compiles the whole kernel (catches CUDA syntax errors in CI)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from tpmk.kernels.megakernel import compile_megakernel
+    monkeypatch.setenv("TPMK_CACHE", str(tmp_path))
+    try:
+        cubin = compile_megakernel(getattr(torch, dtype), fast=fast)
+    except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine
+        if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
+            pytest.skip(f"NVRTC library not installed: {e}")
+        raise
+    assert len(cubin) > 10_000

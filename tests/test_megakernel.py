@@ -1,0 +1,181 @@
+"""CUDA megakernel (virtual TP on one GPU) vs the CPU interpreter running the same
+instruction stream on the same bf16 weights and bf16 KV cache, and vs HF transformers."""
+import pytest
+import torch
+
+from _mk_helpers import empty_caches, random_shards, shards_for
+from tpmk.config import ModelConfig
+from tpmk.kernels.interpreter import VM
+from tpmk.kernels.schedule import build_schedule
+
+PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
+PAGE, PAGES_PER_SEQ = 16, 8
+
+
+def _pair(cfg, tp, bucket, shards_cpu, sms=None):
+    from tpmk.kernels.megakernel import Megakernel
+    sms = sms or min(16, torch.cuda.get_device_properties(0).multi_processor_count // tp)
+    sched = build_schedule(cfg, tp, bucket, sms)
+    n_pages = bucket * PAGES_PER_SEQ
+    kc, vc = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
+    vm = VM(cfg, sched, shards_cpu, kc, vc)
+    kg, vg = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
+    mk = Megakernel(cfg, sched, [s.to("cuda") for s in shards_cpu], [k.cuda() for k in kg],
+                    [v.cuda() for v in vg], timeout_s=2.0, max_pages_per_seq=PAGES_PER_SEQ)
+    return vm, mk
+
+
+def _pages(b):
+    return list(range(b * PAGES_PER_SEQ, (b + 1) * PAGES_PER_SEQ))
+
+
+def _compare_run(vm, mk, prompts, steps, tag):
+    """Lockstep prompts then `steps` greedy steps on both; returns max relative logit error."""
+    worst = 0.0
+    n = len(prompts)
+    seqs = [list(p) for p in prompts]
+    longest = max(map(len, prompts))
+    for pos in range(longest + steps):
+        live = [b for b in range(n) if pos < len(seqs[b])]
+        toks, poss, pages = [seqs[b][pos] for b in live], [pos] * len(live), [_pages(b) for b in live]
+        want = vm.step(toks, poss, pages)
+        got = mk.step(toks, poss, pages).cpu().long()
+        wl, gl = vm.logits(), mk.logits().cpu()
+        err = float((gl - wl).abs().max() / wl.abs().max())
+        worst = max(worst, err)
+        assert err < 2e-3, f"{tag} pos {pos}: logits rel err {err:.2e}"
+        for i, b in enumerate(live):
+            if got[i] != want[i]:
+                top = wl[i].topk(2).values
+                gap = float(top[0] - top[1])
+                assert gap < 1e-3 * float(top[0].abs()), (
+                    f"{tag} seq {b} pos {pos}: megakernel token {int(got[i])} != interpreter "
+                    f"{int(want[i])}, top-2 logit gap {gap:.3e}")
+                print(f"{tag}: near-tie at seq {b} pos {pos} (gap {gap:.2e}); stopping comparison")
+                return worst
+            if pos == len(seqs[b]) - 1 and len(seqs[b]) < len(prompts[b]) + steps:
+                seqs[b].append(int(want[i]))
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["tiny", "tiny-gqa"])
+def test_tiny_matches_interpreter_64_steps(name, tp):
+    cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
+    _, shards = shards_for(cfg, tp, seed=tp, dtype=torch.bfloat16)
+    vm, mk = _pair(cfg, tp, 4, shards)
+    worst = _compare_run(vm, mk, PROMPTS, 64, f"{name} tp{tp}")        # batch 3 of bucket 4
+    worst = max(worst, _compare_run(vm, mk, [[9, 10, 11, 12]], 4, f"{name} tp{tp} b1"))
+    worst = max(worst, _compare_run(vm, mk, PROMPTS + [[1, 2]], 4, f"{name} tp{tp} b4"))
+    print(f"{name} tp{tp}: max rel logit err {worst:.2e} over batch 3 x 64 steps, batch 1, batch 4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_llama_1b_shapes(tp):
+    cfg = ModelConfig.from_name("llama-3.2-1b").replace(num_hidden_layers=2)
+    shards = random_shards(cfg, tp, seed=1)
+    vm, mk = _pair(cfg, tp, 4, shards)
+    worst = _compare_run(vm, mk, [[1, 2, 3, 128000], [77, 66]], 6, f"1b tp{tp}")
+    print(f"llama-3.2-1b shapes (2 layers) tp{tp}: max rel logit err {worst:.2e}")
+
+
+@pytest.mark.gpu
+def test_tiny_matches_hf_float32_logits():
+    """Independent oracle: HF float32 on the bf16-rounded weights, within bf16 tolerance."""
+    cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
+    model, shards = shards_for(cfg, 2, seed=3, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    _, mk = _pair(cfg, 2, 4, shards)
+    p = PROMPTS[2]
+    for pos, t in enumerate(p):
+        mk.step([t], [pos], [_pages(0)])
+    with torch.no_grad():
+        want = model(torch.tensor([p])).logits[0, -1]
+    got = mk.logits()[0].cpu()
+    assert float((got - want).abs().max() / want.abs().max()) < 3e-2
+    assert int(got.argmax()) == int(want.argmax())
+
+
+@pytest.mark.gpu
+def test_timeout_names_rank_sm_opcode_layer():
+    cfg = ModelConfig.from_name("tiny").replace(dtype="bfloat16")
+    _, shards = shards_for(cfg, 2, dtype=torch.bfloat16)
+    sched = build_schedule(cfg, 2, 2, 4)
+    bad = next(i for i in sched.instructions if i.name == "gate_up" and i.layer == 1)
+    bad.waits = [(bad.waits[0][0], 10_000)]   # can never be reached
+    from tpmk.kernels.megakernel import Megakernel
+    kg, vg = empty_caches(cfg, 2, 16, PAGE, dtype=torch.bfloat16)
+    mk = Megakernel(cfg, sched, [s.to("cuda") for s in shards], [k.cuda() for k in kg],
+                    [v.cuda() for v in vg], timeout_s=0.2)
+    with pytest.raises(RuntimeError, match=r"timed out waiting: rank \d, SM \d, opcode GATE_UP, layer 1"):
+        mk.step([1], [0], [[0]])
+
+
+@pytest.mark.gpu
+def test_op_by_op_diff_tool():
+    from tpmk.kernels.opdiff import diff_stages
+    cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
+    _, shards = shards_for(cfg, 2, seed=5, dtype=torch.bfloat16)
+    vm, mk = _pair(cfg, 2, 2, shards)
+    rows = list(diff_stages(vm, mk, [7, 8], [0, 0], [_pages(0), _pages(1)]))
+    assert len(rows) == len(mk.sched.stage_names)
+    for s, name, errs in rows:
+        assert max(errs.values()) < 1e-3, f"stage {s} {name}: {errs}"
+
+
+def test_profile_trace_events_without_gpu():
+    """Host-side formatting of --profile timestamps into Chrome-trace events."""
+    from tpmk.kernels.megakernel import Megakernel
+    cfg = ModelConfig.from_name("tiny")
+    sched = build_schedule(cfg, 2, 1, 3)
+    mk = Megakernel.__new__(Megakernel)
+    mk.sched = sched
+    n = len(sched.instructions)
+    ts = torch.zeros(n, 2, dtype=torch.int64)
+    ts[:, 0] = 1000 + torch.arange(n) * 10
+    ts[:, 1] = ts[:, 0] + 5
+    mk.bufs = [{"profile": ts.flatten()} for _ in range(2)]
+    ev = mk.profile_trace()
+    assert len(ev) == 2 * n
+    assert {e["pid"] for e in ev} == {0, 1} and {e["tid"] for e in ev} == {0, 1, 2}
+    assert all(e["dur"] == 0.005 and e["ph"] == "X" for e in ev)
+    assert ev[0]["name"].startswith(sched.instructions[0].name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 4])
+def test_megakernel_engine_vs_reference_engine(tp):
+    """Engine level: reference prefill into the shared paged cache, megakernel decode,
+    against the reference engine (CUDA graphs) on the same bf16 shards."""
+    from tpmk.config import RuntimeConfig
+    from tpmk.engine.api import Decode, Prefill, SamplingParams
+    from tpmk.engine.megakernel_engine import MegakernelEngine
+    from tpmk.engine.reference import ReferenceEngine
+    cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
+    _, shards = shards_for(cfg, tp, seed=2, dtype=torch.bfloat16)
+    rt = RuntimeConfig(tp=tp, device="cuda", dtype="bfloat16", max_batch=4, max_seq_len=128)
+    ref = ReferenceEngine(cfg, rt, [s.to("cuda") for s in shards])
+    mk = MegakernelEngine(cfg, rt, shards)
+    pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+    greedy = [SamplingParams()] * 3
+    a = ref.prefill(Prefill(PROMPTS, pages, greedy))
+    b = mk.prefill(Prefill(PROMPTS, pages, greedy))
+    assert a.tokens == b.tokens
+    toks = a.tokens
+    for s in range(24):
+        pos = [len(p) + s for p in PROMPTS]
+        a = ref.decode(Decode(toks, pos, pages, greedy, return_logits=True))
+        b = mk.decode(Decode(toks, pos, pages, greedy, return_logits=True))
+        la, lb = torch.tensor(a.logits), torch.tensor(b.logits)
+        assert float((lb - la).abs().max() / la.abs().max()) < 3e-2, f"step {s}"
+        for i in range(3):
+            if a.tokens[i] != b.tokens[i]:
+                top = la[i].topk(2).values
+                gap = float(top[0] - top[1])
+                assert gap < 2e-2 * float(top[0].abs()), (
+                    f"step {s} seq {i}: megakernel {b.tokens[i]} != reference {a.tokens[i]}, gap {gap:.3e}")
+        toks = a.tokens

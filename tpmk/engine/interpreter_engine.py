@@ -1,0 +1,110 @@
+"""InterpreterEngine: decode by the CPU interpreter running the real instruction stream.
+
+Virtual TP: all tp shards live in this process (the interpreter writes peer
+slots directly), so `shards` must hold every rank and `group` must be None.
+Prefill (`prefill="reference"`, the default) runs the reference engine's
+batched prefill into the SAME paged KV caches (tpmk.engine.kv_cache.KVCache);
+`prefill="stream"` instead feeds the prompt through the instruction stream one
+position at a time (all sequences in lockstep), which needs nothing but the
+stream itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from tpmk.config import ModelConfig, RuntimeConfig
+from tpmk.engine.kv_cache import KVCache
+from tpmk.engine.api import Decode, Prefill, SamplingParams, StepResult
+from tpmk.kernels.interpreter import VM
+from tpmk.kernels.schedule import build_schedule
+from tpmk.partition.weights import RankWeights
+
+INTERPRETER_SMS = 8  # queues per rank; any value gives the same result
+
+
+def sample_tokens(logits: torch.Tensor, positions: list[int], sampling: list[SamplingParams],
+                  greedy_tokens: torch.Tensor) -> list[int]:
+    """Greedy rows keep the stream's argmax; sampled rows use tpmk.engine.sampling."""
+    out = [int(t) for t in greedy_tokens]
+    if all(s.greedy for s in sampling):
+        return out
+    from tpmk.engine.sampling import sample  # the reference engine's sampler (same noise)
+    sampled = sample(logits, positions, sampling)
+    return [out[b] if s.greedy else int(sampled[b]) for b, s in enumerate(sampling)]
+
+
+class InterpreterEngine:
+    virtual_tp = True  # all tp ranks in this process (the launcher starts one process)
+
+    def __init__(self, cfg: ModelConfig, runtime: RuntimeConfig, shards: list[RankWeights],
+                 group=None, prefill: str = "reference"):
+        self._init_prefill(prefill)
+        if group is not None or len(shards) != runtime.tp:
+            raise ValueError(
+                f"the interpreter engine runs all tp={runtime.tp} ranks in one process: pass all "
+                f"{runtime.tp} shards (got {len(shards)}) and group=None (virtual TP)")
+        dtype = getattr(torch, runtime.resolved_dtype())
+        self.cfg, self.runtime = cfg, runtime
+        self.shards = [s.to(device="cpu") for s in shards]
+        # the shared paged layout (tpmk.engine.kv_cache), one KVCache per local rank
+        self.caches = [KVCache.allocate(cfg, runtime, "cpu", dtype) for _ in shards]
+        self.k_caches = [c.k for c in self.caches]
+        self.v_caches = [c.v for c in self.caches]
+        self.schedule = build_schedule(cfg, runtime.tp, runtime.max_batch, INTERPRETER_SMS)
+        self.vm = VM(cfg, self.schedule, self.shards, self.k_caches, self.v_caches)
+
+    def _init_prefill(self, mode: str) -> None:
+        if mode not in ("reference", "stream"):
+            raise ValueError(f"prefill={mode!r}; use 'reference' or 'stream'")
+        self.prefill_mode, self._reference = mode, None
+
+    def _reference_engine(self):
+        """The reference engine, writing into this engine's KV caches (same layout)."""
+        if self._reference is None:
+            from tpmk.engine.reference import ReferenceEngine
+            rt = dataclasses.replace(self.runtime, cuda_graphs=False)
+            self._reference = ReferenceEngine(self.cfg, rt, self.shards)
+            self._reference.caches = self.caches
+        return self._reference
+
+    def _chunks(self, n: int):
+        B = self.runtime.max_batch
+        return [list(range(i, min(n, i + B))) for i in range(0, n, B)]
+
+    def prefill(self, cmd: Prefill) -> StepResult:
+        if self.prefill_mode == "reference":
+            return self._reference_engine().prefill(cmd)
+        t0 = time.perf_counter()
+        n = len(cmd.tokens)
+        last_logits = [None] * n
+        greedy = torch.zeros(n, dtype=torch.int64)
+        for chunk in self._chunks(n):
+            longest = max(len(cmd.tokens[b]) for b in chunk)
+            for pos in range(longest):
+                live = [b for b in chunk if pos < len(cmd.tokens[b])]
+                toks = self.vm.step([cmd.tokens[b][pos] for b in live], [pos] * len(live),
+                                    [cmd.pages[b] for b in live]).cpu()
+                logits = self.vm.logits().cpu()
+                for i, b in enumerate(live):
+                    if pos == len(cmd.tokens[b]) - 1:
+                        last_logits[b], greedy[b] = logits[i].clone(), toks[i]
+        logits = torch.stack(last_logits)
+        positions = [len(t) - 1 for t in cmd.tokens]
+        tokens = sample_tokens(logits, positions, cmd.sampling, greedy)
+        return StepResult(tokens=tokens, logits=logits.tolist() if cmd.return_logits else None,
+                          step_ms=(time.perf_counter() - t0) * 1e3)
+
+    def decode(self, cmd: Decode) -> StepResult:
+        t0 = time.perf_counter()
+        toks, logits = [], []
+        for chunk in self._chunks(len(cmd.tokens)):
+            toks.append(self.vm.step([cmd.tokens[b] for b in chunk], [cmd.positions[b] for b in chunk],
+                                     [cmd.pages[b] for b in chunk]).cpu().long())
+            logits.append(self.vm.logits().cpu())
+        logits = torch.cat(logits)
+        tokens = sample_tokens(logits, cmd.positions, cmd.sampling, torch.cat(toks))
+        return StepResult(tokens=tokens, logits=logits.tolist() if cmd.return_logits else None,
+                          step_ms=(time.perf_counter() - t0) * 1e3)

@@ -1,0 +1,88 @@
+// The tpmk decode megakernel: one persistent CTA per SM, cooperative launch.
+// The grid holds `num_local_ranks * sms_per_rank` CTAs: CTA i runs queue
+// (i % sms_per_rank) of rank (i / sms_per_rank) with that rank's KernelArgs
+// (virtual TP: several ranks in one launch on one GPU; one process per GPU: 1 rank).
+// Per CTA: fetch instruction (prefetch the next), wait on its counters, run the
+// op, signal. Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
+#include "mk_common.cuh"
+#include "mk_sync.cuh"
+#include "ops/embed.cuh"
+#include "ops/residual.cuh"
+#include "ops/qkv.cuh"
+#include "ops/attention.cuh"
+#include "ops/o_proj.cuh"
+#include "ops/gate_up.cuh"
+#include "ops/down.cuh"
+#include "ops/lm_head.cuh"
+#include "ops/argmax.cuh"
+#ifdef MK_FAST
+#include "mk_prefetch.cuh"
+#endif
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
+  extern __shared__ float smem[];
+  __shared__ KernelArgs sa;
+  __shared__ int sins[2][isa::INSTR_WORDS];
+  __shared__ int go;
+  const int local_rank = blockIdx.x / sms_per_rank, sm = blockIdx.x % sms_per_rank;
+  {
+    const int* src = reinterpret_cast<const int*>(all_args + local_rank);
+    int* dst = reinterpret_cast<int*>(&sa);
+    for (int i = threadIdx.x; i < (int)(sizeof(KernelArgs) / 4); i += NTHREADS) dst[i] = src[i];
+  }
+  __syncthreads();
+  const KernelArgs& a = sa;
+  const int* hdr = reinterpret_cast<const int*>(a.header);
+  const unsigned epoch = (unsigned)hdr[isa::H_EPOCH];
+  const int* instr = reinterpret_cast<const int*>(a.instructions);
+  const int i0 = reinterpret_cast<const int*>(a.queue_start)[sm];
+  const int i1 = reinterpret_cast<const int*>(a.queue_start)[sm + 1];
+  unsigned long long* prof = reinterpret_cast<unsigned long long*>(a.profile);
+  if (threadIdx.x < isa::INSTR_WORDS && i0 < i1) sins[0][threadIdx.x] = instr[i0 * isa::INSTR_WORDS + threadIdx.x];
+  for (int i = i0; i < i1; i++) {
+    __syncthreads();  // sins[cur] filled; everyone is done with sins[cur ^ 1]
+    const int cur = (i - i0) & 1;
+    const int* ins = sins[cur];
+    if (threadIdx.x < isa::INSTR_WORDS && i + 1 < i1)
+      sins[cur ^ 1][threadIdx.x] = instr[(i + 1) * isa::INSTR_WORDS + threadIdx.x];
+    if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
+    if (threadIdx.x == 0) {
+#ifdef MK_FAST
+      prefetch_instruction(a, ins, hdr);
+#endif
+      go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
+      if (prof) prof[2 * i] = globaltimer();
+    }
+    __syncthreads();
+    if (!go) return;
+    switch (ins[isa::F_OP]) {
+      case isa::OP_NOP: break;
+      case isa::OP_EMBED: op_embed(a, ins, hdr, smem); break;
+      case isa::OP_QKV: op_qkv(a, ins, hdr, smem); break;
+      case isa::OP_ATTENTION: op_attention(a, ins, hdr, smem); break;
+      case isa::OP_O_PROJ: op_o_proj(a, ins, hdr, smem); break;
+      case isa::OP_RESIDUAL: op_residual(a, ins, hdr, smem); break;
+      case isa::OP_GATE_UP: op_gate_up(a, ins, hdr, smem); break;
+      case isa::OP_DOWN: op_down(a, ins, hdr, smem); break;
+      case isa::OP_LM_HEAD: op_lm_head(a, ins, hdr, smem); break;
+      case isa::OP_ARGMAX: op_argmax(a, ins, hdr, smem); break;
+      default:
+        if (threadIdx.x == 0) {
+          int* e = reinterpret_cast<int*>(a.error);
+          if (atomicCAS(e + isa::E_FLAG, 0, -1) == 0) {
+            e[isa::E_RANK] = a.rank; e[isa::E_SM] = sm; e[isa::E_OPCODE] = ins[isa::F_OP];
+            e[isa::E_LAYER] = ins[isa::F_LAYER]; e[isa::E_INSTR] = i;
+            __threadfence_system();
+            atomicExch(e + isa::E_FLAG, 2);
+          }
+        }
+        return;
+    }
+    __syncthreads();  // all of this op's stores precede thread 0's release below
+    if (threadIdx.x == 0) {
+      if (prof) prof[2 * i + 1] = globaltimer();
+      signal_counter(a, ins);
+    }
+  }
+}

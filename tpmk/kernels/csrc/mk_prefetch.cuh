@@ -1,0 +1,81 @@
+// MK_FAST only: before an instruction waits on its counters, thread 0 asks the
+// TMA unit to pull the start of the instruction's weight tile (and, for
+// attention, its KV pages) into L2 (cp.async.bulk.prefetch.L2, sm_90). Weights
+// never depend on the step's activations, so the bytes stream while the SM
+// would otherwise idle at the dependency; the matvec then reads them from L2.
+#pragma once
+#include "mk_common.cuh"
+
+constexpr unsigned long long PREFETCH_CAP = 192 * 1024;  // bytes per instruction (132 SMs: ~25 MB of L2)
+
+// addr and bytes multiples of 16 (rows of bf16/f32 with H, K % 8 == 0 are).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  bytes &= ~15ull;
+  while (bytes > 0) {
+    const unsigned n = bytes > (1ull << 20) ? (1u << 20) : (unsigned)bytes;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(n) : "memory");
+    c += n;
+    bytes -= n;
+  }
+}
+
+__device__ void prefetch_instruction(const KernelArgs& a, const int* ins, const int* hdr) {
+  const int op = ins[isa::F_OP], l = ins[isa::F_LAYER], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
+  const size_t H = a.hidden, D = a.head_dim, I = a.inter, es = sizeof(wtype);
+  const size_t hq = a.q_heads, hkv = a.kv_heads;
+  const unsigned long long half_cap = PREFETCH_CAP / 2;
+  switch (op) {
+    case isa::OP_QKV: {
+      const wtype* W = reinterpret_cast<const wtype*>(a.qkv) + (size_t)l * (hq + 2 * hkv) * D * H;
+      const size_t p0 = ins[isa::F_ARG0];
+      const unsigned long long bytes = min((unsigned long long)n * H * es, half_cap);
+      prefetch_l2(W + (r0 * D + p0) * H, bytes);
+      prefetch_l2(W + (r0 * D + D / 2 + p0) * H, bytes);
+      break;
+    }
+    case isa::OP_GATE_UP: {
+      const wtype* W = reinterpret_cast<const wtype*>(a.gate_up) + (size_t)l * 2 * I * H;
+      const unsigned long long bytes = min((unsigned long long)n * H * es, half_cap);
+      prefetch_l2(W + (size_t)r0 * H, bytes);
+      prefetch_l2(W + (I + r0) * H, bytes);
+      break;
+    }
+    case isa::OP_O_PROJ: {
+      const size_t K = hq * D;
+      const wtype* W = reinterpret_cast<const wtype*>(a.o_proj) + (size_t)l * H * K;
+      prefetch_l2(W + (size_t)r0 * K, min((unsigned long long)n * K * es, PREFETCH_CAP));
+      break;
+    }
+    case isa::OP_DOWN: {
+      const wtype* W = reinterpret_cast<const wtype*>(a.down) + (size_t)l * H * I;
+      prefetch_l2(W + (size_t)r0 * I, min((unsigned long long)n * I * es, PREFETCH_CAP));
+      break;
+    }
+    case isa::OP_LM_HEAD: {
+      const wtype* W = reinterpret_cast<const wtype*>(a.lm_head);
+      prefetch_l2(W + (size_t)r0 * H, min((unsigned long long)n * H * es, PREFETCH_CAP));
+      break;
+    }
+    case isa::OP_ATTENTION: {
+      // KV pages of this (sequence, kv head, split); the newest token is still to be
+      // written by a qkv tile, but its page is among these (prefetch is only a hint).
+      const int b = ins[isa::F_ARG0], split = ins[isa::F_ARG1];
+      if (b >= hdr[isa::H_BATCH]) break;
+      const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
+      const int* pages = pos + a.bucket + b * a.max_pages;
+      const int ctx = pos[b] + 1, S = a.num_splits, per = (ctx + S - 1) / S, ps = a.page_size;
+      const int t0 = min(ctx, split * per), t1 = min(ctx, t0 + per);
+      const unsigned long long blk = (unsigned long long)ps * D * es;
+      unsigned long long budget = PREFETCH_CAP;
+      for (int pg = t0 / ps; pg * ps < t1 && budget >= 2 * blk; pg++, budget -= 2 * blk) {
+        const size_t off = (((size_t)l * a.num_pages + pages[pg]) * hkv + r0) * ps * D;
+        prefetch_l2(reinterpret_cast<const wtype*>(a.k_cache) + off, blk);
+        prefetch_l2(reinterpret_cast<const wtype*>(a.v_cache) + off, blk);
+      }
+      break;
+    }
+    default:
+      break;
+  }
+}

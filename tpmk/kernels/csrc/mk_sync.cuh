@@ -1,0 +1,88 @@
+// Dependency counters: monotonic u32 counters, one per 128-byte line.
+// Producer: every thread's stores, __syncthreads(), then thread 0 does
+// fence.acq_rel.sys and red.release.sys.add on each target counter: the
+// barrier orders the CTA's stores before thread 0's fence, and the release
+// add publishes them to whoever acquires the counter (the consumer CTA, on
+// this GPU or a peer). Consumer: thread 0 spins with ld.acquire.sys until
+// counter - epoch * count >= 0 (wrap-safe), then __syncthreads().
+// Every spin is bounded by a.timeout_ns (globaltimer); a timeout writes the
+// error block (first writer wins) and every CTA then leaves its loop.
+// Scope: .gpu when every rank of the launch lives on this GPU (virtual TP, loopback);
+// -DMK_SYS_SCOPE for peers on other GPUs (NVLink), where only .sys covers both sides.
+#pragma once
+#include "isa_generated.cuh"
+
+#ifdef MK_SYS_SCOPE
+#define MK_SCOPE "sys"
+#else
+#define MK_SCOPE "gpu"
+#endif
+
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire." MK_SCOPE ".global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_release_sys(unsigned* p, unsigned v) {
+  asm volatile("red.release." MK_SCOPE ".global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel." MK_SCOPE ";" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ bool aborted(const KernelArgs& a) {
+  return *reinterpret_cast<volatile int*>(a.error) != 0;
+}
+
+// Thread 0 only. Returns false (after recording the error) on timeout or abort.
+__device__ bool wait_counter(const KernelArgs& a, const int* ins, int which, unsigned epoch,
+                             int sm, int index) {
+  const int cid = ins[which == 0 ? isa::F_WAIT0 : isa::F_WAIT1];
+  if (cid == isa::NO_COUNTER) return true;
+  const unsigned target = epoch * (unsigned)ins[which == 0 ? isa::F_COUNT0 : isa::F_COUNT1];
+  const unsigned* c = reinterpret_cast<const unsigned*>(a.counters) + (size_t)cid * isa::COUNTER_STRIDE;
+  unsigned v = ld_acquire_sys(c);
+  if ((int)(v - target) >= 0) return true;
+  const unsigned long long t0 = globaltimer();
+  int spins = 0;
+  while ((int)((v = ld_acquire_sys(c)) - target) < 0) {
+    if ((++spins & 63) == 0) {
+      if (aborted(a)) return false;
+      if (globaltimer() - t0 > (unsigned long long)a.timeout_ns) {
+        int* e = reinterpret_cast<int*>(a.error);
+        if (atomicCAS(e + isa::E_FLAG, 0, -1) == 0) {
+          e[isa::E_RANK] = a.rank; e[isa::E_SM] = sm; e[isa::E_OPCODE] = ins[isa::F_OP];
+          e[isa::E_LAYER] = ins[isa::F_LAYER]; e[isa::E_TILE] = ins[isa::F_TILE];
+          e[isa::E_COUNTER] = cid; e[isa::E_EXPECTED] = (int)target; e[isa::E_VALUE] = (int)v;
+          e[isa::E_INSTR] = index;
+          __threadfence_system();
+          atomicExch(e + isa::E_FLAG, 1);
+        }
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Thread 0 only, after __syncthreads(): publish this CTA's stores and bump the counter.
+__device__ void signal_counter(const KernelArgs& a, const int* ins) {
+  const int cid = ins[isa::F_SIGNAL];
+  if (cid == isa::NO_COUNTER) return;
+  fence_acq_rel_sys();
+  const size_t off = (size_t)cid * isa::COUNTER_STRIDE;
+  if (ins[isa::F_SIGNAL_PEERS]) {
+    for (int p = 0; p < a.tp; p++)
+      red_release_sys(reinterpret_cast<unsigned*>(a.peer_counters[p]) + off, 1u);
+  } else {
+    red_release_sys(reinterpret_cast<unsigned*>(a.counters) + off, 1u);
+  }
+}

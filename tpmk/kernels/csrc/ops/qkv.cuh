@@ -1,0 +1,52 @@
+// qkv: must match tpmk/kernels/ops/qkv.py (Qkv). RMSNorm(x) @ rows of one local head's
+// rotary pairs [ARG0, ARG0+NROWS) (rows i and i + D/2), RoPE for q/k heads; q -> q buffer,
+// k/v -> paged cache [L, pages, Hkv, page_size, D].
+#pragma once
+#include "mk_common.cuh"
+
+__device__ void op_qkv(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
+  const int batch = hdr[isa::H_BATCH], l = ins[isa::F_LAYER], head = ins[isa::F_ROW0];
+  const int n = ins[isa::F_NROWS], p0 = ins[isa::F_ARG0];
+  const int H = a.hidden, D = a.head_dim, half = D / 2, hq = a.q_heads, hkv = a.kv_heads;
+  const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
+  const int* pages = pos + a.bucket;
+  float* red = smem;
+  float* xs = red + NWARPS * BATCH_CHUNK;
+  float* outs = xs + BATCH_CHUNK * a.kmax;                      // [nb, 2n]
+  const wtype* W = reinterpret_cast<const wtype*>(a.qkv) + (size_t)l * (hq + 2 * hkv) * D * H;
+  const float* inv_freq = reinterpret_cast<const float*>(a.rope_inv_freq);
+  for (int b0 = 0; b0 < batch; b0 += BATCH_CHUNK) {
+    const int nb = min(BATCH_CHUNK, batch - b0);
+    load_normed(a, reinterpret_cast<const float*>(a.x), H, b0, nb, H,
+                reinterpret_cast<const wtype*>(a.input_norm) + (size_t)l * H, xs, red);
+    matvec(H, xs, nb, 2 * n,
+           [&](int r) { return W + (size_t)(head * D + (r < n ? p0 + r : half + p0 + r - n)) * H; },
+           [&](int r, int b, float v) { outs[b * 2 * n + r] = v; });
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < nb * n; idx += NTHREADS) {
+      const int b = idx / n, i = idx % n, t = pos[b0 + b];
+      float y1 = outs[b * 2 * n + i], y2 = outs[b * 2 * n + n + i];
+      if (head < hq + hkv) {
+        float s, c;
+        sincosf((float)t * inv_freq[p0 + i], &s, &c);
+        const float x1 = y1, x2 = y2;
+        y1 = x1 * c - x2 * s;
+        y2 = x2 * c + x1 * s;
+      }
+      if (head < hq) {
+        float* q = reinterpret_cast<float*>(a.q) + (size_t)(b0 + b) * hq * D + head * D;
+        q[p0 + i] = y1;
+        q[half + p0 + i] = y2;
+      } else {
+        const bool is_k = head < hq + hkv;
+        const int g = is_k ? head - hq : head - hq - hkv;
+        const int page = pages[(b0 + b) * a.max_pages + t / a.page_size];
+        wtype* c = reinterpret_cast<wtype*>(is_k ? a.k_cache : a.v_cache) +
+                   ((((size_t)l * a.num_pages + page) * hkv + g) * a.page_size + t % a.page_size) * D;
+        c[p0 + i] = from_f(y1);
+        c[half + p0 + i] = from_f(y2);
+      }
+    }
+    __syncthreads();
+  }
+}

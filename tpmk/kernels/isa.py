@@ -1,0 +1,186 @@
+"""The instruction set: the single source of truth shared by Python and CUDA.
+
+Everything the CUDA side needs to agree on is declared here and written into
+`csrc/isa_generated.cuh` by `generate_header()`; tests/test_isa.py fails when
+the checked-in header drifts from this file.
+
+- An instruction is INSTR_WORDS int32 words, opcode first (`Field`).
+- Dependencies are counters (uint32, one per COUNTER_STRIDE words so each
+  sits on its own 128-byte line) that only grow: an instruction waits until
+  `counter >= epoch * count` (wrap-around safe compare) and, when done, adds
+  1 to its signal counter on its own rank or on every rank (`SIGNAL_PEERS`).
+- The step header (int32 words in device memory) carries everything that
+  changes per step: epoch, batch size, tokens, positions, page tables.
+- `KernelArgs` is the per-rank kernel-argument struct (pointers + sizes).
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+INSTR_WORDS = 16          # 64-byte instructions
+COUNTER_STRIDE = 32       # uint32 words per counter: one 128-byte line each
+MAX_TP = 8
+ERROR_WORDS = 16
+NO_COUNTER = -1
+NEG_INF = -1.0e30         # finite "minus infinity" for empty softmax splits
+
+
+class Opcode(enum.IntEnum):
+    NOP = 0
+    EMBED = 1        # vocab-parallel embedding row -> peers' residual slots
+    QKV = 2          # rmsnorm(x) @ qkv rows + RoPE; q -> q buffer, k/v -> paged cache
+    ATTENTION = 3    # one (sequence, kv head, split) of decode attention -> partial (m, l, acc)
+    O_PROJ = 4       # merge splits, @ o_proj rows, push partial to every peer's slot[rank]
+    RESIDUAL = 5     # x[:, cols] (+)= sum over ranks of slot[r][:, cols] (fixed rank order)
+    GATE_UP = 6      # rmsnorm(x) @ gate/up rows, silu(gate) * up -> act
+    DOWN = 7         # act @ down rows, push partial to every peer's slot[rank]
+    LM_HEAD = 8      # rmsnorm(x) @ lm_head rows -> logits, per-tile argmax pushed to peers
+    ARGMAX = 9       # reduce all ranks' candidates (fixed order) -> tokens_out
+
+
+class Field(enum.IntEnum):
+    """Word index of each instruction field (must match isa_generated.cuh)."""
+    OP = 0
+    LAYER = 1
+    TILE = 2        # tile index within its (op, layer) group
+    ROW0 = 3        # first output row / column / kv head the tile covers
+    NROWS = 4       # rows / columns / splits covered
+    ARG0 = 5        # op-specific (ATTENTION: sequence; RESIDUAL: stage; EMBED: stage)
+    ARG1 = 6        # op-specific (ATTENTION: split; RESIDUAL: 1 = set, 0 = add)
+    WAIT0 = 7       # counter id or NO_COUNTER
+    COUNT0 = 8      # expected increments per epoch
+    WAIT1 = 9
+    COUNT1 = 10
+    SIGNAL = 11     # counter id or NO_COUNTER
+    SIGNAL_PEERS = 12  # 1: add on every rank's counter, 0: own rank only
+    ARG2 = 13
+    ARG3 = 14
+    ARG4 = 15       # stage number in program order (debug stop_after / op-by-op diff)
+
+
+class ErrorField(enum.IntEnum):
+    """Words of the error block written by a timed-out wait."""
+    FLAG = 0        # 0 ok, 1 wait timeout, 2 bad opcode, 3 shape check
+    RANK = 1
+    SM = 2
+    OPCODE = 3
+    LAYER = 4
+    TILE = 5
+    COUNTER = 6
+    EXPECTED = 7
+    VALUE = 8
+    INSTR = 9       # index of the instruction in the stream
+
+
+class HeaderField(enum.IntEnum):
+    EPOCH = 0
+    BATCH = 1
+    TOKENS = 4      # then tokens[bucket], positions[bucket], pages[bucket * max_pages]
+
+
+def header_words(bucket: int, max_pages: int) -> int:
+    return HeaderField.TOKENS + 2 * bucket + bucket * max_pages
+
+
+def header_offsets(bucket: int) -> tuple[int, int, int]:
+    """(tokens, positions, page table) word offsets in the step header."""
+    t = int(HeaderField.TOKENS)
+    return t, t + bucket, t + 2 * bucket
+
+
+# ---- kernel-argument struct (one per rank) --------------------------------
+PTR, I32, F32, I64 = "ptr", "i32", "f32", "i64"
+
+KERNEL_ARGS: list[tuple[str, str, int]] = [
+    # weights (wtype: the model dtype; layouts as tpmk.partition.weights.RankWeights)
+    ("embed", PTR, 1), ("lm_head", PTR, 1), ("final_norm", PTR, 1), ("input_norm", PTR, 1),
+    ("qkv", PTR, 1), ("o_proj", PTR, 1), ("post_norm", PTR, 1), ("gate_up", PTR, 1),
+    ("down", PTR, 1),
+    ("k_cache", PTR, 1), ("v_cache", PTR, 1),        # [L, pages, Hkv, page_size, D] wtype
+    ("rope_inv_freq", PTR, 1),                      # [D/2] f32
+    ("header", PTR, 1),                             # int32 step header
+    ("instructions", PTR, 1),                       # [n, INSTR_WORDS] int32
+    ("queue_start", PTR, 1),                        # [num_sms + 1] int32
+    ("x", PTR, 1),                                  # [bucket, H] f32 residual stream
+    ("q", PTR, 1),                                  # [bucket, Hq * D] f32
+    ("attn_part", PTR, 1),                          # [bucket, Hq, splits, D + 2] f32
+    ("act", PTR, 1),                                # [bucket, I] f32
+    ("logits", PTR, 1),                             # [bucket, Vp] f32
+    ("tokens_out", PTR, 1),                         # [bucket] int32
+    ("counters", PTR, 1),                           # [num_counters * COUNTER_STRIDE] u32
+    ("error", PTR, 1),                              # [ERROR_WORDS] int32 (shared by all ranks)
+    ("profile", PTR, 1),                            # [n, 2] u64 timestamps or 0
+    ("peer_counters", PTR, MAX_TP),
+    ("peer_attn_slots", PTR, MAX_TP),               # [tp, bucket, H] f32 on each peer
+    ("peer_mlp_slots", PTR, MAX_TP),
+    ("peer_cand", PTR, MAX_TP),                     # [tp, n_lm_tiles, bucket, 2] f32 on each peer
+    ("timeout_ns", I64, 1),
+    ("rank", I32, 1), ("tp", I32, 1), ("num_sms", I32, 1), ("bucket", I32, 1),
+    ("num_layers", I32, 1), ("hidden", I32, 1), ("q_heads", I32, 1), ("kv_heads", I32, 1),
+    ("head_dim", I32, 1), ("inter", I32, 1), ("vocab_local", I32, 1), ("vocab_size", I32, 1),
+    ("page_size", I32, 1), ("num_pages", I32, 1), ("max_pages", I32, 1), ("num_splits", I32, 1),
+    ("n_lm_tiles", I32, 1), ("num_instructions", I32, 1),
+    ("kmax", I32, 1),             # shared memory: BATCH_CHUNK * kmax f32 inputs, then outputs
+    ("stop_after", I32, 1),       # debug: skip instructions whose stage (ARG4) > this; -1 off
+    ("eps", F32, 1), ("attn_scale", F32, 1),
+]
+
+_CTYPE = {PTR: ctypes.c_uint64, I32: ctypes.c_int32, F32: ctypes.c_float, I64: ctypes.c_int64}
+_CDECL = {PTR: "unsigned long long", I32: "int", F32: "float", I64: "long long"}
+
+
+class KernelArgs(ctypes.Structure):
+    """Must match `struct KernelArgs` in csrc/isa_generated.cuh (generated from this list)."""
+    _fields_ = [(n, _CTYPE[t] * c if c > 1 else _CTYPE[t]) for n, t, c in KERNEL_ARGS]
+
+
+@dataclass(frozen=True)
+class CounterRef:
+    counter: int
+    count: int
+
+
+def generate_header() -> str:
+    lines = [
+        "// GENERATED by tpmk/kernels/isa.py: generate_header(). Do not edit by hand;",
+        "// tests/test_isa.py fails when this file and isa.py disagree.",
+        "#pragma once",
+        "namespace isa {",
+        f"constexpr int INSTR_WORDS = {INSTR_WORDS};",
+        f"constexpr int COUNTER_STRIDE = {COUNTER_STRIDE};",
+        f"constexpr int MAX_TP = {MAX_TP};",
+        f"constexpr int ERROR_WORDS = {ERROR_WORDS};",
+        f"constexpr int NO_COUNTER = {NO_COUNTER};",
+        f"constexpr float NEG_INF = {NEG_INF:.1e}f;",
+        f"constexpr int HDR_TOKENS = {int(HeaderField.TOKENS)};",
+    ]
+    for cls, prefix in ((Opcode, "OP_"), (Field, "F_"), (ErrorField, "E_"), (HeaderField, "H_")):
+        lines += [f"constexpr int {prefix}{m.name} = {int(m)};" for m in cls]
+    lines.append("}  // namespace isa")
+    lines.append("")
+    lines.append("// Must match tpmk.kernels.isa.KernelArgs (ctypes); passed by value.")
+    lines.append("struct KernelArgs {")
+    for n, t, c in KERNEL_ARGS:
+        lines.append(f"  {_CDECL[t]} {n}{f'[{c}]' if c > 1 else ''};")
+    lines.append("};")
+    lines.append(f"static_assert(sizeof(KernelArgs) == {ctypes.sizeof(KernelArgs)}, "
+                 "\"KernelArgs drifted from isa.py\");")
+    # Field offsets follow from the generated declaration order (8-byte members first,
+    # then 4-byte: no padding); NVRTC does not fold offsetof in static_assert.
+    return "\n".join(lines) + "\n"
+
+
+HEADER_PATH = Path(__file__).parent / "csrc" / "isa_generated.cuh"
+
+
+def write_header() -> Path:
+    HEADER_PATH.parent.mkdir(parents=True, exist_ok=True)
+    HEADER_PATH.write_text(generate_header())
+    return HEADER_PATH
+
+
+if __name__ == "__main__":
+    print(write_header())

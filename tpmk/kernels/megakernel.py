@@ -1,0 +1,244 @@
+"""Host side of the CUDA megakernel: compile, buffers, step header, launch, error readout.
+
+`Megakernel` holds every local rank's buffers (virtual TP: all tp ranks on one
+GPU in one cooperative launch; `loopback=True`: one rank of a tp schedule
+whose peer pointers all point at its own buffers, the per-rank speed proxy).
+Buffers mirror the interpreter's `RankState`; the kernel arguments are
+`isa.KernelArgs` (one struct per local rank, in device memory).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from tpmk.config import ModelConfig
+from tpmk.kernels import isa
+from tpmk.kernels.interpreter import rope_inv_freq
+from tpmk.kernels.schedule import Schedule
+from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
+
+CSRC = Path(__file__).parent / "csrc"
+NTHREADS, NWARPS, BATCH_CHUNK, ATTN_CHUNK = 512, 16, 4, 64   # must match mk_common.cuh / attention.cuh
+SMEM_LIMIT = 227 * 1024 - 1024
+
+
+def _check(res, what: str):
+    err = res[0]
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+    return res[1] if len(res) == 2 else res[1:]
+
+
+def fast_path_enabled() -> bool:
+    """TPMK_MK_FAST=1 compiles the MK_FAST paths (split-K matvec for short tiles, attention
+    with smem row offsets). EXPERIMENTAL: compile-checked, not yet validated on a GPU."""
+    return os.environ.get("TPMK_MK_FAST", "0") == "1"
+
+
+def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", fast: bool | None = None) -> bytes:
+    """NVRTC -> cubin through tpmk.kernels.build (disk cache keyed by sources, options, NVRTC)."""
+    from tpmk.kernels.build import compile_to_cubin
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"megakernel dtype={dtype} unsupported; use bfloat16 or float32")
+    opts = []
+    if dtype == torch.float32:
+        opts.append("-DMK_FLOAT32")
+    if fast_path_enabled() if fast is None else fast:
+        opts.append("-DMK_FAST")
+    return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
+
+
+def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int) -> int:
+    hq, hkv = local_heads(cfg, sched.tp)
+    out_max = 0
+    for ins in sched.instructions:
+        if ins.name in ("qkv", "gate_up"):
+            out_max = max(out_max, BATCH_CHUNK * 2 * ins.nrows)
+        elif ins.name == "lm_head":
+            out_max = max(out_max, BATCH_CHUNK * ins.nrows)
+    G, D = hq // hkv, cfg.head_dim
+    attn = 2 * G * D + G * ATTN_CHUNK + 3 * G + 2   # attention.cuh: q, acc, scores, m/l/alpha
+    attn += 2 * ATTN_CHUNK + NTHREADS * G           # MK_FAST: token offsets, V partials
+    return 4 * (NWARPS * BATCH_CHUNK + max(BATCH_CHUNK * kmax + out_max, attn))
+
+
+class Megakernel:
+    def __init__(self, cfg: ModelConfig, sched: Schedule, shards: list[RankWeights],
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 loopback: bool = False, timeout_s: float = 5.0, profile: bool = False,
+                 max_pages_per_seq: int = 0, fast: bool | None = None):
+        from cuda.bindings import driver as cu
+        self.cu, self.cfg, self.sched = cu, cfg, sched
+        n_local = len(shards)
+        if not loopback and n_local != sched.tp:
+            raise ValueError(f"virtual TP needs all tp={sched.tp} shards in one process, got {n_local}")
+        dev = k_caches[0].device
+        if dev.type != "cuda":
+            raise ValueError(f"the megakernel needs CUDA tensors, got caches on {dev}")
+        props = torch.cuda.get_device_properties(dev)
+        if props.major != 9:
+            raise RuntimeError(f"the megakernel is built for sm_90a (Hopper); {props.name} is "
+                               f"sm_{props.major}{props.minor}")
+        if n_local * sched.num_sms > props.multi_processor_count:
+            raise ValueError(f"{n_local} ranks x {sched.num_sms} SMs per rank > "
+                             f"{props.multi_processor_count} SMs on {props.name}")
+        dtype = shards[0].qkv.dtype
+        hq, hkv = local_heads(cfg, sched.tp)
+        D, H, B = cfg.head_dim, cfg.hidden_size, sched.bucket
+        inter, vp = cfg.intermediate_size // sched.tp, padded_vocab(cfg, sched.tp) // sched.tp
+        kmax = max(H, hq * D, inter)
+        for name, k in (("hidden_size", H), ("q_heads*head_dim", hq * D), ("intermediate/tp", inter)):
+            if k % 8:
+                raise ValueError(f"{name}={k} must be a multiple of 8 for 16-byte loads")
+        if D > 256:
+            raise ValueError(f"head_dim={D} > 256 is not supported by attention.cuh")
+        self.smem = smem_bytes(cfg, sched, kmax)
+        if self.smem > SMEM_LIMIT:
+            raise ValueError(f"megakernel needs {self.smem} B of shared memory (kmax={kmax}), "
+                             f"over {SMEM_LIMIT}; lower BATCH_CHUNK or tile sizes")
+        f32 = dict(device=dev, dtype=torch.float32)
+        words, starts = sched.encode()
+        self.instructions, self.queue_start = words.to(dev), starts.to(dev)
+        self.max_pages = max_pages_per_seq or k_caches[0].shape[1]
+        self.page_size, self.num_pages = k_caches[0].shape[3], k_caches[0].shape[1]
+        self.header_cpu = torch.zeros(isa.header_words(B, self.max_pages), dtype=torch.int32).pin_memory()
+        self.header = torch.zeros_like(self.header_cpu, device=dev)
+        self.error = torch.zeros(isa.ERROR_WORDS, dtype=torch.int32, device=dev)
+        self.inv_freq = rope_inv_freq(cfg).to(dev)
+        self.shards, self.k_caches, self.v_caches = shards, k_caches, v_caches
+        self.bufs = []
+        for _ in range(n_local):
+            self.bufs.append(dict(
+                x=torch.zeros(B, H, **f32), q=torch.zeros(B, hq * D, **f32),
+                attn_part=torch.zeros(B, hq, sched.num_splits, D + 2, **f32),
+                act=torch.zeros(B, inter, **f32), logits=torch.zeros(B, vp, **f32),
+                tokens_out=torch.zeros(B, dtype=torch.int32, device=dev),
+                counters=torch.zeros(sched.num_counters * isa.COUNTER_STRIDE, dtype=torch.int32, device=dev),
+                attn_slots=torch.zeros(sched.tp, B, H, **f32), mlp_slots=torch.zeros(sched.tp, B, H, **f32),
+                cand=torch.zeros(sched.tp, sched.n_lm_tiles, B, 2, **f32),
+                profile=torch.zeros(len(sched.instructions) * 2, dtype=torch.int64, device=dev)
+                if profile else None))
+        self.args = [isa.KernelArgs() for _ in range(n_local)]
+        for i, (a, w, buf) in enumerate(zip(self.args, shards, self.bufs)):
+            rank = w.rank
+            ptrs = dict(embed=w.embed, lm_head=w.lm_head, final_norm=w.final_norm, input_norm=w.input_norm,
+                        qkv=w.qkv, o_proj=w.o_proj, post_norm=w.post_norm, gate_up=w.gate_up, down=w.down,
+                        k_cache=k_caches[i], v_cache=v_caches[i], rope_inv_freq=self.inv_freq,
+                        header=self.header, instructions=self.instructions, queue_start=self.queue_start,
+                        error=self.error, **{k: v for k, v in buf.items() if k not in ("attn_slots", "mlp_slots", "cand")})
+            for k, t in ptrs.items():
+                if t is not None and not t.is_contiguous():
+                    raise ValueError(f"rank {rank}: {k} must be contiguous")
+                setattr(a, k, 0 if t is None else t.data_ptr())
+            for p in range(sched.tp):
+                peer = buf if loopback else self.bufs[p]
+                a.peer_counters[p] = peer["counters"].data_ptr()
+                a.peer_attn_slots[p] = peer["attn_slots"].data_ptr()
+                a.peer_mlp_slots[p] = peer["mlp_slots"].data_ptr()
+                a.peer_cand[p] = peer["cand"].data_ptr()
+            a.timeout_ns = int(timeout_s * 1e9)
+            a.rank, a.tp, a.num_sms, a.bucket = rank, sched.tp, sched.num_sms, B
+            a.num_layers, a.hidden, a.q_heads, a.kv_heads = cfg.num_hidden_layers, H, hq, hkv
+            a.head_dim, a.inter, a.vocab_local, a.vocab_size = D, inter, vp, cfg.vocab_size
+            a.page_size, a.num_pages, a.max_pages = self.page_size, self.num_pages, self.max_pages
+            a.num_splits, a.n_lm_tiles = sched.num_splits, sched.n_lm_tiles
+            a.num_instructions, a.kmax, a.stop_after = len(sched.instructions), kmax, -1
+            a.eps, a.attn_scale = cfg.rms_norm_eps, D ** -0.5
+        self._upload_args()
+        cubin = compile_megakernel(dtype, fast=fast)
+        self.module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.fn = _check(cu.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
+        _check(cu.cuFuncSetAttribute(
+            self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            self.smem), "cuFuncSetAttribute")
+        self.n_local, self.epoch, self.batch = n_local, 0, 0
+
+    def _upload_args(self) -> None:
+        raw = b"".join(bytes(a) for a in self.args)
+        self.args_dev = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.header.device)
+
+    def set_stop_after(self, stage: int) -> None:
+        """Debug: skip every instruction of a stage after `stage` (-1: run everything)."""
+        for a in self.args:
+            a.stop_after = stage
+        self._upload_args()
+
+    def write_header(self, tokens, positions, pages) -> None:
+        B = len(tokens)
+        if not 1 <= B <= self.sched.bucket:
+            raise ValueError(f"batch={B} must be in 1..bucket={self.sched.bucket}")
+        tok_off, pos_off, page_off = isa.header_offsets(self.sched.bucket)
+        h = self.header_cpu
+        self.epoch += 1
+        h.zero_()
+        h[isa.HeaderField.EPOCH], h[isa.HeaderField.BATCH] = self.epoch, B
+        h[tok_off:tok_off + B] = torch.tensor(tokens, dtype=torch.int32)
+        h[pos_off:pos_off + B] = torch.tensor(positions, dtype=torch.int32)
+        for b, p in enumerate(pages):
+            if len(p) > self.max_pages:
+                raise ValueError(f"sequence {b}: {len(p)} pages > max_pages_per_seq={self.max_pages}")
+            if len(p) * self.page_size <= positions[b]:
+                raise ValueError(f"sequence {b}: position {positions[b]} is past its {len(p)} pages")
+            if p and not 0 <= min(p) <= max(p) < self.num_pages:
+                raise ValueError(f"sequence {b}: page ids {p} outside 0..{self.num_pages - 1}")
+            h[page_off + b * self.max_pages:page_off + b * self.max_pages + len(p)] = torch.tensor(p, dtype=torch.int32)
+        self.header.copy_(h, non_blocking=True)
+        self.batch = B
+
+    def launch(self) -> None:
+        cu = self.cu
+        stream = cu.CUstream(torch.cuda.current_stream(self.header.device).cuda_stream)
+        grid = self.n_local * self.sched.num_sms
+        params = ((self.args_dev.data_ptr(), self.sched.num_sms), (ctypes.c_void_p, ctypes.c_int))
+        _check(cu.cuLaunchCooperativeKernel(self.fn, grid, 1, 1, NTHREADS, 1, 1, self.smem, stream, params),
+               "cuLaunchCooperativeKernel")
+
+    def step(self, tokens, positions, pages) -> torch.Tensor:
+        """One decode step of every local rank; returns tokens [batch] (int32, on the GPU)."""
+        self.write_header(tokens, positions, pages)
+        self.launch()
+        self.check_error()
+        return self.bufs[0]["tokens_out"][:self.batch]
+
+    def check_error(self) -> None:
+        err = self.error.tolist()   # synchronizes
+        if err[isa.ErrorField.FLAG] == 0:
+            return
+        E = isa.ErrorField
+        op = isa.Opcode(err[E.OPCODE]).name if err[E.OPCODE] in iter(isa.Opcode) else err[E.OPCODE]
+        cid = err[E.COUNTER]
+        cname = self.sched.counter_names[cid] if 0 <= cid < len(self.sched.counter_names) else cid
+        what = {1: "timed out waiting", 2: "hit an unknown opcode"}.get(err[E.FLAG], f"flag {err[E.FLAG]}")
+        msg = (f"megakernel {what}: rank {err[E.RANK]}, SM {err[E.SM]}, opcode {op}, layer {err[E.LAYER]}, "
+               f"tile {err[E.TILE]}, instruction {err[E.INSTR]}, counter {cname} = {err[E.VALUE] & 0xffffffff} "
+               f"< expected {err[E.EXPECTED] & 0xffffffff} (epoch {self.epoch})")
+        self.error.zero_()
+        for buf in self.bufs:   # counters are inconsistent after an abort: start over
+            buf["counters"].zero_()
+        self.epoch = 0
+        raise RuntimeError(msg)
+
+    def logits(self) -> torch.Tensor:
+        """[batch, vocab_size] float32 from every local rank's vocab slice."""
+        full = torch.cat([b["logits"][:self.batch] for b in self.bufs], dim=1)
+        return full[:, :self.cfg.vocab_size]
+
+    def profile_trace(self) -> list[dict]:
+        """Chrome-trace events (one per executed instruction, per rank / SM)."""
+        events = []
+        for r, buf in enumerate(self.bufs):
+            if buf["profile"] is None:
+                raise ValueError("construct Megakernel(profile=True) to record timestamps")
+            ts = buf["profile"].view(-1, 2).tolist()
+            t0 = min(s for s, _ in ts if s > 0)
+            for sm in range(self.sched.num_sms):
+                for i in range(self.sched.queue_start[sm], self.sched.queue_start[sm + 1]):
+                    s, e = ts[i]
+                    if s and e:
+                        ins = self.sched.instructions[i]
+                        events.append(dict(name=f"{ins.name} L{ins.layer} t{ins.tile}", ph="X", pid=r, tid=sm,
+                                           ts=(s - t0) / 1e3, dur=(e - s) / 1e3))
+        return events

@@ -1,0 +1,22 @@
+"""gate_up: RMSNorm + gate/up matvec + SiLU(gate) * up (CUDA: csrc/ops/gate_up.cuh)."""
+from __future__ import annotations
+
+import torch
+
+from tpmk.kernels.isa import Opcode
+from tpmk.kernels.ops.base import Instruction
+
+
+class GateUp(Instruction):
+    """Intermediate columns [row0, row0 + nrows): gate rows c and up rows I + c."""
+    opcode = Opcode.GATE_UP
+    name = "gate_up"
+
+    def execute(self, vm, rank: int) -> None:
+        st, B, inter = vm.ranks[rank], vm.batch, vm.inter
+        c0, n = self.row0, self.nrows
+        xn = vm.rmsnorm(st.x[:B], st.w.post_norm[self.layer])
+        w = st.w.gate_up[self.layer]
+        gate = xn @ w[c0:c0 + n].float().T
+        up = xn @ w[inter + c0:inter + c0 + n].float().T
+        st.act[:B, c0:c0 + n] = torch.nn.functional.silu(gate) * up

@@ -1,0 +1,163 @@
+"""build_schedule: (ModelConfig, tp, batch bucket, SMs per rank) -> per-SM instruction queues.
+
+Every rank runs the same schedule (SPMD). Instructions are emitted in stages
+(embed, residual 0, then per layer qkv, attention, o_proj, residual,
+gate_up, down, residual; lm_head, argmax); every wait refers to a counter
+signalled only by an earlier stage, and each SM's queue is in stage order,
+so with all SMs of all ranks resident the schedule cannot deadlock.
+
+Counters (per rank, `Schedule.counter_names` for error messages):
+  arrive[s][j]  partial tile j of residual stage s arrived from each rank (count tp)
+  ready[s]      residual stage s done on this rank (count n_h_tiles)
+  qkv[l], attn[l], gate_up[l]   local stage completion (count = tiles)
+  lm            LM-head candidates arrived from every rank (count tp * n_lm_tiles)
+  done          argmax finished (count 1)
+Stage s = 0 is the embedding, 2l+1 the attention residual of layer l, 2l+2 its MLP.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tpmk.config import ModelConfig
+from tpmk.kernels.isa import INSTR_WORDS
+from tpmk.kernels.ops import (Argmax, Attention, Down, Embed, GateUp, Instruction, LmHead,
+                              OProj, Qkv, Residual)
+from tpmk.partition.weights import local_heads, padded_vocab
+
+
+@dataclass
+class Schedule:
+    tp: int
+    bucket: int
+    num_sms: int
+    num_splits: int
+    h_tile: int                    # hidden columns per embed/o_proj/down/residual tile
+    n_h_tiles: int
+    n_lm_tiles: int
+    instructions: list[Instruction]            # in queue order: SM 0's queue, then SM 1's ...
+    queue_start: list[int]                     # [num_sms + 1]
+    counter_names: list[str] = field(default_factory=list)
+    stage_names: list[str] = field(default_factory=list)   # stage number (ARG4) -> "qkv[layer 3]"
+
+    @property
+    def num_counters(self) -> int:
+        return len(self.counter_names)
+
+    def queue(self, sm: int) -> list[Instruction]:
+        return self.instructions[self.queue_start[sm]:self.queue_start[sm + 1]]
+
+    def stage_of(self, name: str, layer: int = 0) -> int:
+        """Stage number of the first stage of op `name` in `layer` (for stop_after)."""
+        key = f"{name}[layer {layer}]"
+        if key not in self.stage_names:
+            raise ValueError(f"no stage {key!r}; stages: {self.stage_names}")
+        return self.stage_names.index(key)
+
+    def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([n, INSTR_WORDS] int32 instruction words, [num_sms + 1] int32 queue starts)."""
+        words = torch.tensor([i.encode() for i in self.instructions], dtype=torch.int32)
+        return words.reshape(-1, INSTR_WORDS), torch.tensor(self.queue_start, dtype=torch.int32)
+
+
+MAX_TILE_ROWS = 256  # bounds the per-tile output staging in shared memory
+
+
+def _tiles(total: int, num_sms: int, multiple: int) -> list[tuple[int, int]]:
+    """Cut `total` rows into about num_sms tiles (sizes multiples of `multiple`, <= MAX_TILE_ROWS)."""
+    size = max(multiple, math.ceil(total / num_sms / multiple) * multiple)
+    size = min(size, max(multiple, MAX_TILE_ROWS // multiple * multiple))
+    return [(r, min(size, total - r)) for r in range(0, total, size)]
+
+
+class _Counters:
+    def __init__(self):
+        self.names: list[str] = []
+
+    def new(self, name: str) -> int:
+        self.names.append(name)
+        return len(self.names) - 1
+
+
+def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
+                   num_splits: int = 0) -> Schedule:
+    if bucket < 1 or num_sms < 1:
+        raise ValueError(f"bucket={bucket} and num_sms={num_sms} must be >= 1")
+    hq, hkv = local_heads(cfg, tp)
+    D, H, L = cfg.head_dim, cfg.hidden_size, cfg.num_hidden_layers
+    if D % 2:
+        raise ValueError(f"head_dim={D} must be even for RoPE")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
+    inter, vp = cfg.intermediate_size // tp, padded_vocab(cfg, tp) // tp
+    if num_splits == 0:  # enough attention tiles to cover the SMs, at most 16 splits
+        num_splits = max(1, min(16, num_sms // (bucket * hkv)))
+    ctr = _Counters()
+    n_stages = 2 * L + 1
+    h_tiles = _tiles(H, num_sms, 8)
+    arrive = [[ctr.new(f"arrive[stage {s}][tile {j}]") for j in range(len(h_tiles))]
+              for s in range(n_stages)]
+    ready = [ctr.new(f"ready[stage {s}]") for s in range(n_stages)]
+    qkv_done = [ctr.new(f"qkv[layer {l}]") for l in range(L)]
+    attn_done = [ctr.new(f"attn[layer {l}]") for l in range(L)]
+    gu_done = [ctr.new(f"gate_up[layer {l}]") for l in range(L)]
+    lm_tiles = _tiles(vp, num_sms, 8)
+    lm = ctr.new("lm")
+    done = ctr.new("done")
+    nh = len(h_tiles)
+
+    def residual_stage(s: int) -> list[Instruction]:
+        return [Residual(layer=max(0, (s - 1) // 2), tile=j, row0=c, nrows=n, arg0=s,
+                         arg1=int(s == 0), waits=[(arrive[s][j], tp)], signal=ready[s])
+                for j, (c, n) in enumerate(h_tiles)]
+
+    stages: list[list[Instruction]] = [
+        [Embed(tile=j, row0=c, nrows=n, arg0=0, signal=arrive[0][j], signal_peers=True)
+         for j, (c, n) in enumerate(h_tiles)],
+        residual_stage(0)]
+    # qkv tiles: (local head, rotary pair range); pairs cut so there are ~num_sms tiles.
+    n_heads = hq + 2 * hkv
+    pair_tiles = _tiles(D // 2, max(1, num_sms // n_heads), 1)
+    for l in range(L):
+        qkv = [Qkv(layer=l, row0=h, arg0=p, nrows=n, waits=[(ready[2 * l], nh)],
+                   signal=qkv_done[l]) for h in range(n_heads) for p, n in pair_tiles]
+        for t, ins in enumerate(qkv):
+            ins.tile = t
+        attn = [Attention(layer=l, row0=g, arg0=b, arg1=s, waits=[(qkv_done[l], len(qkv))],
+                          signal=attn_done[l])
+                for b in range(bucket) for g in range(hkv) for s in range(num_splits)]
+        for t, ins in enumerate(attn):
+            ins.tile = t
+        o = [OProj(layer=l, tile=j, row0=c, nrows=n, waits=[(attn_done[l], len(attn))],
+                   signal=arrive[2 * l + 1][j], signal_peers=True)
+             for j, (c, n) in enumerate(h_tiles)]
+        gu_tiles = _tiles(inter, num_sms, 8)
+        gu = [GateUp(layer=l, tile=t, row0=c, nrows=n, waits=[(ready[2 * l + 1], nh)],
+                     signal=gu_done[l]) for t, (c, n) in enumerate(gu_tiles)]
+        dn = [Down(layer=l, tile=j, row0=c, nrows=n, waits=[(gu_done[l], len(gu))],
+                   signal=arrive[2 * l + 2][j], signal_peers=True)
+              for j, (c, n) in enumerate(h_tiles)]
+        stages += [qkv, attn, o, residual_stage(2 * l + 1), gu, dn, residual_stage(2 * l + 2)]
+    stages.append([LmHead(tile=t, row0=r, nrows=n, waits=[(ready[2 * L], nh)], signal=lm,
+                          signal_peers=True) for t, (r, n) in enumerate(lm_tiles)])
+    stages.append([Argmax(waits=[(lm, tp * len(lm_tiles))], signal=done)])
+
+    # Round-robin each stage over the SMs, continuing where the last stage stopped.
+    queues: list[list[Instruction]] = [[] for _ in range(num_sms)]
+    nxt = 0
+    for stage_no, stage in enumerate(stages):
+        for ins in stage:
+            ins.arg4 = stage_no
+            queues[nxt].append(ins)
+            nxt = (nxt + 1) % num_sms
+    flat, starts = [], [0]
+    for q in queues:
+        flat += q
+        starts.append(len(flat))
+    return Schedule(tp=tp, bucket=bucket, num_sms=num_sms, num_splits=num_splits,
+                    h_tile=h_tiles[0][1], n_h_tiles=nh, n_lm_tiles=len(lm_tiles),
+                    instructions=flat, queue_start=starts, counter_names=ctr.names,
+                    stage_names=[f"{st[0].name}[layer {st[0].layer}]" for st in stages])
+
