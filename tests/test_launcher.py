@@ -83,6 +83,25 @@ def test_local_start_up_error_names_rank(tiny_dir):
         launch(tiny_dir, rt, "local")
 
 
+def test_local_workers_exit_when_the_driver_dies(tiny_dir):
+    """A driver killed by SIGKILL leaves no orphan ranks: each sees EOF on its pipe and exits."""
+    script = ("import os, signal\n"
+              "from tpmk.config import RuntimeConfig\n"
+              "from tpmk.launcher import launch\n"
+              f"c = launch({tiny_dir!r}, RuntimeConfig(tp=2, device='cpu'), 'local')\n"
+              "print(*c.pids, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, env=tpmk_env())
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    pids = [int(p) for p in r.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(pids) == []
+
+
 # ---- Ray -----------------------------------------------------------------------------------
 
 def _free_port() -> int:

@@ -86,6 +86,7 @@ class WorkerError(RuntimeError):
     def __init__(self, rank: int, message: str, traceback_text: str = ""):
         super().__init__(f"rank {rank}: {message}\n{traceback_text}".rstrip())
         self.rank = rank
+        self.message = message
         self.traceback_text = traceback_text
 
 

@@ -139,10 +139,8 @@ class Worker:
 
 def error_record(e: BaseException, rank: int) -> dict:
     """What crosses a pipe or Ray when a rank fails: plain data, never a pickled exception."""
-    if isinstance(e, WorkerError):  # str(e) == f"rank {rank}: {message}\n{traceback}"
-        msg = str(e).removeprefix(f"rank {e.rank}: ")
-        msg = msg[:len(msg) - len(e.traceback_text.rstrip())].rstrip()
-        return {"rank": e.rank, "message": msg, "traceback": e.traceback_text}
+    if isinstance(e, WorkerError):
+        return {"rank": e.rank, "message": e.message, "traceback": e.traceback_text}
     return {"rank": rank, "message": f"{type(e).__name__}: {e}",
             "traceback": traceback.format_exc()}
 
