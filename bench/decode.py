@@ -127,8 +127,6 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--no-baseline", action="store_true")
-    ap.add_argument("--fast", choices=["off", "on", "both"], default="off",
-                    help="MK_FAST kernel variant (experimental split-K matvec + attention offsets)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--profile", default="", help="write a Chrome trace (per-instruction start/end) "
                     "of the first configuration's last step to this JSON file")
@@ -155,29 +153,22 @@ def main():
             vc = torch.randn_like(kc)
             sched = build_schedule(cfg, args.tp, B, dev.multi_processor_count)
             row = dict(batch=B, ctx=ctx, bytes=wbytes + kv_bytes)
-            variants = {"off": [False], "on": [True], "both": [False, True]}[args.fast]
             t0 = time.time()
-            for fast in variants:
-                profile = bool(args.profile) and not rows and fast == variants[-1]
-                mk = Megakernel(cfg, sched, [w], [kc], [vc], loopback=True, timeout_s=10.0,
-                                max_pages_per_seq=per_seq, profile=profile, fast=fast)
-                pages = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
-                toks, pos = [1] * B, [ctx - 1] * B
+            profile = bool(args.profile) and not rows
+            mk = Megakernel(cfg, sched, [w], [kc], [vc], loopback=True, timeout_s=10.0,
+                            max_pages_per_seq=per_seq, profile=profile)
+            pages = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
+            toks, pos = [1] * B, [ctx - 1] * B
 
-                def mk_step():
-                    mk.write_header(toks, pos, pages)
-                    mk.launch()
-                mk_ms = time_fn(mk_step, args.iters)
-                mk.check_error()
-                if profile:
-                    Path(args.profile).write_text(json.dumps({"traceEvents": mk.profile_trace()}))
-                key = "mk_fast" if fast else "mk"
-                row.update({f"{key}_ms": mk_ms, f"{key}_tok_s": B / mk_ms * 1e3,
-                            f"{key}_bw_frac": (wbytes + kv_bytes) / (mk_ms / 1e3) / bw})
-                del mk
-            del kc, vc
-            mk_ms = row.get("mk_fast_ms", row.get("mk_ms"))
-            row["best_mk_ms"], row["best_mk_bw_frac"] = mk_ms, (wbytes + kv_bytes) / (mk_ms / 1e3) / bw
+            def mk_step():
+                mk.write_header(toks, pos, pages)
+                mk.launch()
+            mk_ms = time_fn(mk_step, args.iters)
+            mk.check_error()
+            if profile:
+                Path(args.profile).write_text(json.dumps({"traceEvents": mk.profile_trace()}))
+            row.update(mk_ms=mk_ms, mk_tok_s=B / mk_ms * 1e3, mk_bw_frac=(wbytes + kv_bytes) / (mk_ms / 1e3) / bw)
+            del mk, kc, vc
             if not args.no_baseline:
                 base = TorchStep(cfg, w, args.tp, B, ctx)
                 base.capture()
@@ -187,14 +178,13 @@ def main():
                            speedup=g_ms / mk_ms)
             torch.cuda.empty_cache()
             rows.append(row)
-            extra = f" (default {row['mk_ms']:.3f})" if "mk_ms" in row and "mk_fast_ms" in row else ""
-            print(f"{B:>5} {ctx:>5} | {mk_ms:7.3f} {B / mk_ms * 1e3:8.0f} {100 * row['best_mk_bw_frac']:5.1f} | "
+            print(f"{B:>5} {ctx:>5} | {mk_ms:7.3f} {B / mk_ms * 1e3:8.0f} {100 * row['mk_bw_frac']:5.1f} | "
                   f"{row.get('graph_ms', float('nan')):8.3f} {100 * row.get('graph_bw_frac', float('nan')):5.1f} | "
-                  f"{row.get('speedup', float('nan')):.2f}x{extra}   ({time.time() - t0:.0f}s)", flush=True)
+                  f"{row.get('speedup', float('nan')):.2f}x   ({time.time() - t0:.0f}s)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = dev.name.replace(" ", "_")
-    res = dict(device=dev.name, copy_bw_Bps=bw, mk_fast=args.fast, model=cfg.name, tp=args.tp,
+    res = dict(device=dev.name, copy_bw_Bps=bw, model=cfg.name, tp=args.tp,
                layers=cfg.num_hidden_layers, weights_bytes=wbytes, note="one rank, peer slots looped back; baseline: torch + CUDA graph, "
                "contiguous KV, no communication", rows=rows)
     (out / f"decode_{name}.json").write_text(json.dumps(res, indent=1))

@@ -1,15 +1,31 @@
 #!/usr/bin/env bash
-# One device call: megakernel correctness tests, then compute-sanitizer on tiny.
+# One device call: build the megakernel, then the GPU tests and compute-sanitizer (in
+# parallel: they are mostly CPU-bound), then the decode bench alone on the GPU.
+#   PYTEST_K: pytest -k filter; PYTEST_TESTS: test names of tests/test_megakernel.py, in run order;
+#   SAN_TOOLS: sanitizer tools ("" = none); BENCH, BENCH2: bench/decode.py arguments ("" = skip).
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH=. TPMK_CACHE=${OUT:-/tmp}/mkcache NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"
+export PYTHONPATH=. TPMK_CACHE=/tmp/mkcache NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 300 python3 -m pytest -q -x -s tests/test_megakernel.py ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -40
+t0=$(date +%s)
+python3 -c "import torch; from tpmk.kernels.megakernel import compile_megakernel as c; c(torch.bfloat16)"
+echo "== built in $(( $(date +%s) - t0 )) s"
+TESTS=tests/test_megakernel.py
+[ -n "${PYTEST_TESTS:-}" ] && TESTS=$(for t in $PYTEST_TESTS; do printf "tests/test_megakernel.py::%s " $t; done)
+OMP_NUM_THREADS=8 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x -s $TESTS \
+  ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest.log" 2>&1 &
 for tool in ${SAN_TOOLS-memcheck racecheck}; do
-  echo "== compute-sanitizer $tool"
-  timeout 120 compute-sanitizer --tool $tool --report-api-errors no python3 bench/mk_smoke.py 2>&1 | grep -v "Host Frame" | head -20
+  timeout ${TEST_TIMEOUT:-150} compute-sanitizer --tool $tool --report-api-errors no \
+    python3 bench/mk_smoke.py 2>&1 | grep -v "Host Frame" | head -20 > "$OUT/san_$tool.log" &
 done
-if [ -n "${BENCH:-}" ]; then
-  echo "== bench"
-  timeout ${BENCH_TIMEOUT:-200} python3 bench/decode.py $BENCH --out ${OUT:-/tmp}/results 2>&1 | tail -20
-fi
+wait
+echo "== pytest"; grep -E "passed|failed|Error|error|assert|near-tie|rel logit" "$OUT/pytest.log" | tail -30
+for tool in ${SAN_TOOLS-memcheck racecheck}; do echo "== compute-sanitizer $tool"; cat "$OUT/san_$tool.log"; done
+echo "== tests done at $(( $(date +%s) - t0 )) s"
+i=1
+for args in "${BENCH:-}" "${BENCH2:-}"; do   # results: $OUT/bench1, $OUT/bench2
+  [ -n "$args" ] && timeout ${BENCH_TIMEOUT:-200} python3 bench/decode.py $args --out "$OUT/bench$i" 2>&1 | tail -20
+  i=$((i + 1))
+done
+echo "== all done at $(( $(date +%s) - t0 )) s"

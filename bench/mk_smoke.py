@@ -1,4 +1,5 @@
-"""Tiny megakernel run for compute-sanitizer (memcheck / racecheck): tp=2, 3 steps."""
+"""Tiny megakernel run for compute-sanitizer (memcheck / racecheck): tp=2, 3 steps of batch 2
+(CUDA-core matvec), 2 of batch 6 (tensor-core matvec)."""
 import sys
 
 import torch
@@ -12,10 +13,12 @@ from tpmk.kernels.schedule import build_schedule  # noqa: E402
 cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
 tp = 2
 _, shards = shards_for(cfg, tp, dtype=torch.bfloat16)
-sched = build_schedule(cfg, tp, 2, 4)
-kc, vc = empty_caches(cfg, tp, 8, 16, dtype=torch.bfloat16)
+sched = build_schedule(cfg, tp, 8, 4)
+kc, vc = empty_caches(cfg, tp, 16, 16, dtype=torch.bfloat16)
 mk = Megakernel(cfg, sched, [s.to("cuda") for s in shards], [k.cuda() for k in kc],
                 [v.cuda() for v in vc], timeout_s=60.0)
 for pos, toks in enumerate([[5, 6], [7, 8], [9, 10]]):
     out = mk.step(toks, [pos, pos], [[0, 1], [2, 3]])
+for pos in range(2):
+    out = mk.step(list(range(20, 26)), [pos] * 6, [[2 * b + 4, 2 * b + 5] for b in range(6)])
 print("smoke ok", out.tolist())

@@ -82,6 +82,24 @@ def test_llama_1b_shapes(tp):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,tp,bucket,batch", [("tiny-gqa", 2, 72, 70), ("llama-3.2-1b", 1, 24, 21)])
+def test_batched_tensor_core_matvec(name, tp, bucket, batch):
+    """batch >= 5 runs the tensor-core matvec (mk_mma.cuh): several batch passes, every
+    n-tile count, several K chunks (1b: K = 2048 and 8192), batch shrinking below 5 at the end."""
+    if name == "tiny-gqa":
+        cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
+        _, shards = shards_for(cfg, tp, seed=7, dtype=torch.bfloat16)
+    else:
+        cfg = ModelConfig.from_name(name).replace(num_hidden_layers=2)
+        shards = random_shards(cfg, tp, seed=4)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, cfg.vocab_size, (1 + b % 4,), generator=g).tolist() for b in range(batch)]
+    vm, mk = _pair(cfg, tp, bucket, shards)
+    worst = _compare_run(vm, mk, prompts, 3, f"{name} tp{tp} batch {batch}")
+    print(f"{name} tp{tp} batch {batch}: max rel logit err {worst:.2e}")
+
+
+@pytest.mark.gpu
 def test_tiny_matches_hf_float32_logits():
     """Independent oracle: HF float32 on the bf16-rounded weights, within bf16 tolerance."""
     cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")

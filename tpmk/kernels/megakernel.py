@@ -9,7 +9,6 @@ Buffers mirror the interpreter's `RankState`; the kernel arguments are
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -32,13 +31,7 @@ def _check(res, what: str):
     return res[1] if len(res) == 2 else res[1:]
 
 
-def fast_path_enabled() -> bool:
-    """TPMK_MK_FAST=1 compiles the MK_FAST paths (split-K matvec for short tiles, attention
-    with smem row offsets). EXPERIMENTAL: compile-checked, not yet validated on a GPU."""
-    return os.environ.get("TPMK_MK_FAST", "0") == "1"
-
-
-def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", fast: bool | None = None) -> bytes:
+def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a") -> bytes:
     """NVRTC -> cubin through tpmk.kernels.build (disk cache keyed by sources, options, NVRTC)."""
     from tpmk.kernels.build import compile_to_cubin
     if dtype not in (torch.bfloat16, torch.float32):
@@ -46,30 +39,41 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", fast: bool | No
     opts = []
     if dtype == torch.float32:
         opts.append("-DMK_FLOAT32")
-    if fast_path_enabled() if fast is None else fast:
-        opts.append("-DMK_FAST")
     return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
 
 
-def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int) -> int:
+# mk_mma.cuh: MMA_SS_WORDS + MMA_XWORDS + MMA_OUT_WORDS f32 words (bf16 tensor-core matvec)
+MMA_SMEM_WORDS = 64 + 16 * 16 + 8 * (4096 + 8 * 32) + 64 * 128
+
+
+def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
     hq, hkv = local_heads(cfg, sched.tp)
-    out_max = 0
+    out_max = 0   # linear() staging [BATCH_CHUNK, matvec rows]
     for ins in sched.instructions:
         if ins.name in ("qkv", "gate_up"):
             out_max = max(out_max, BATCH_CHUNK * 2 * ins.nrows)
-        elif ins.name == "lm_head":
+        elif ins.name in ("lm_head", "o_proj", "down"):
             out_max = max(out_max, BATCH_CHUNK * ins.nrows)
     G, D = hq // hkv, cfg.head_dim
     attn = 2 * G * D + G * ATTN_CHUNK + 3 * G + 2   # attention.cuh: q, acc, scores, m/l/alpha
-    attn += 2 * ATTN_CHUNK + NTHREADS * G           # MK_FAST: token offsets, V partials
-    return 4 * (NWARPS * BATCH_CHUNK + max(BATCH_CHUNK * kmax + out_max, attn))
+    attn += 2 * ATTN_CHUNK + NTHREADS * G           # fast path: token offsets, V partials
+    S = sched.num_splits
+    merge = BATCH_CHUNK * (hq * D + hq * S)         # o_proj input + split weights (mk_linear.cuh)
+    words = max(BATCH_CHUNK * kmax + out_max, merge, attn)
+    if mma:
+        words = max(words, MMA_SMEM_WORDS)
+        o_rows = max((i.nrows for i in sched.instructions if i.name == "o_proj"), default=8)
+        if min(sched.bucket, 64, max(8, 8192 // o_rows // 8 * 8)) * hq * S > 64 * 128:
+            raise ValueError(f"o_proj split weights ({hq} heads x {S} splits) overflow the tensor-core "
+                             f"staging area; use fewer splits")
+    return 4 * (NWARPS * BATCH_CHUNK + words)
 
 
 class Megakernel:
     def __init__(self, cfg: ModelConfig, sched: Schedule, shards: list[RankWeights],
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  loopback: bool = False, timeout_s: float = 5.0, profile: bool = False,
-                 max_pages_per_seq: int = 0, fast: bool | None = None):
+                 max_pages_per_seq: int = 0):
         from cuda.bindings import driver as cu
         self.cu, self.cfg, self.sched = cu, cfg, sched
         n_local = len(shards)
@@ -93,9 +97,10 @@ class Megakernel:
         for name, k in (("hidden_size", H), ("q_heads*head_dim", hq * D), ("intermediate/tp", inter)):
             if k % 8:
                 raise ValueError(f"{name}={k} must be a multiple of 8 for 16-byte loads")
-        if D > 256:
-            raise ValueError(f"head_dim={D} > 256 is not supported by attention.cuh")
-        self.smem = smem_bytes(cfg, sched, kmax)
+        if D > 256 or D % 4:
+            raise ValueError(f"head_dim={D} is not supported: attention.cuh needs <= 256, the split "
+                             f"merge (mk_common.cuh merged4) a multiple of 4")
+        self.smem = smem_bytes(cfg, sched, kmax, mma=dtype == torch.bfloat16)
         if self.smem > SMEM_LIMIT:
             raise ValueError(f"megakernel needs {self.smem} B of shared memory (kmax={kmax}), "
                              f"over {SMEM_LIMIT}; lower BATCH_CHUNK or tile sizes")
@@ -148,7 +153,7 @@ class Megakernel:
             a.num_instructions, a.kmax, a.stop_after = len(sched.instructions), kmax, -1
             a.eps, a.attn_scale = cfg.rms_norm_eps, D ** -0.5
         self._upload_args()
-        cubin = compile_megakernel(dtype, fast=fast)
+        cubin = compile_megakernel(dtype)
         self.module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.fn = _check(cu.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
         _check(cu.cuFuncSetAttribute(

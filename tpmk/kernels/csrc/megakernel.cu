@@ -15,9 +15,7 @@
 #include "ops/down.cuh"
 #include "ops/lm_head.cuh"
 #include "ops/argmax.cuh"
-#ifdef MK_FAST
 #include "mk_prefetch.cuh"
-#endif
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
@@ -48,9 +46,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       sins[cur ^ 1][threadIdx.x] = instr[(i + 1) * isa::INSTR_WORDS + threadIdx.x];
     if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
     if (threadIdx.x == 0) {
-#ifdef MK_FAST
       prefetch_instruction(a, ins, hdr);
-#endif
       go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
       if (prof) prof[2 * i] = globaltimer();
     }

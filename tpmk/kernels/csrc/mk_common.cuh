@@ -68,30 +68,78 @@ __device__ void block_sum(float* v, int n, float* red) {
 // (L2, never a stale L1 line); the acquire in wait_counter orders them.
 __device__ __forceinline__ float ld_act(const float* p) { return __ldcg(p); }
 
+// Rows of a linear op's weight tile: r < n0 -> w0 + r * ld, else w1 + (r - n0) * ld.
+struct RowMap {
+  const wtype* w0;
+  const wtype* w1;
+  int n0, ld;
+  __device__ __forceinline__ const wtype* operator()(int r) const {
+    return r < n0 ? w0 + (size_t)r * ld : w1 + (size_t)(r - n0) * ld;
+  }
+};
+
+// A linear op's input rows: x[b * ldx + k] (RMSNorm with weight nw fused when nw != null),
+// or, when part != null, the attention output merged from its splits (o_proj).
+struct XSrc {
+  const float* x;
+  int ldx;
+  const wtype* nw;
+  const float* part;   // [bucket, Hq, splits, D + 2]: acc[D], m, l per split
+};
+
+// Split weights of the attention merge: coef[(b * Hq + h) * S + s] = e^(m_s - M) / sum_s' e^(m_s' - M) l_s'
+// for rows b0 + b, b < nb (part: [bucket, Hq, S, D + 2] = acc[D], m, l per split).
+__device__ void merge_coefs(const KernelArgs& a, const float* part, int b0, int nb, float* coef) {
+  const int D = a.head_dim, S = a.num_splits;
+  for (int i = threadIdx.x; i < nb * a.q_heads; i += NTHREADS) {
+    const float* p = part + ((size_t)b0 * a.q_heads + i) * S * (D + 2);
+    float M = isa::NEG_INF;
+    for (int s = 0; s < S; s++) M = fmaxf(M, ld_act(p + s * (D + 2) + D));
+    float den = 0.f;
+    for (int s = 0; s < S; s++) den += expf(ld_act(p + s * (D + 2) + D) - M) * ld_act(p + s * (D + 2) + D + 1);
+    const float inv = 1.f / den;
+    for (int s = 0; s < S; s++) coef[i * S + s] = expf(ld_act(p + s * (D + 2) + D) - M) * inv;
+  }
+}
+
+// Merged attention output of row b0 + b, k..k+3 (one head: D % 4 == 0): sum_s coef_s acc_s[d].
+__device__ __forceinline__ float4 merged4(const KernelArgs& a, const float* part, const float* coef,
+                                          int b0, int b, int k) {
+  const int D = a.head_dim, S = a.num_splits, h = k / D, d = k % D;
+  const float* p = part + (((size_t)(b0 + b) * a.q_heads + h) * S) * (D + 2) + d;
+  const float* c = coef + (b * a.q_heads + h) * S;
+  float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = 0; s < S; s++) {
+    const float2 u = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2)));
+    const float2 v = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2) + 2));
+    const float w = c[s];
+    r.x += w * u.x; r.y += w * u.y; r.z += w * v.x; r.w += w * v.y;
+  }
+  return r;
+}
+
+// Raw input x[b0 + b][k..k+3] (before the norm weight); K and ldx are multiples of 8.
+// o_proj (s.part): coef from merge_coefs for the same b0.
+__device__ __forceinline__ float4 xin_load4(const KernelArgs& a, const XSrc& s, const float* coef,
+                                            int b0, int b, int k) {
+  if (!s.part) return __ldcg(reinterpret_cast<const float4*>(s.x + (size_t)(b0 + b) * s.ldx + k));
+  return merged4(a, s.part, coef, b0, b, k);
+}
+
 // xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K.
 __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0, int nb, int K,
                             const wtype* w, float* xs, float* red) {
   float ss[BATCH_CHUNK] = {0.f, 0.f, 0.f, 0.f};
-#ifdef MK_FAST
-  if ((K & 3) == 0 && (ldx & 3) == 0) {   // 16-byte loads of the activations
-    for (int b = 0; b < nb; b++) {
-      const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(b0 + b) * ldx);
-      float4* xo = reinterpret_cast<float4*>(xs + b * K);
+  for (int b = 0; b < nb; b++) {   // 16-byte loads (K, ldx multiples of 8: checked on the host)
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(b0 + b) * ldx);
+    float4* xo = reinterpret_cast<float4*>(xs + b * K);
 #pragma unroll 4
-      for (int k = threadIdx.x; k < K / 4; k += NTHREADS) {
-        const float4 v = __ldcg(xr + k);
-        xo[k] = v;
-        ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-      }
+    for (int k = threadIdx.x; k < K / 4; k += NTHREADS) {
+      const float4 v = __ldcg(xr + k);
+      xo[k] = v;
+      ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-  } else
-#endif
-  for (int b = 0; b < nb; b++)
-    for (int k = threadIdx.x; k < K; k += NTHREADS) {
-      float v = ld_act(x + (size_t)(b0 + b) * ldx + k);
-      xs[b * K + k] = v;
-      ss[b] += v * v;
-    }
+  }
   if (w == nullptr) { __syncthreads(); return; }
   block_sum(ss, nb, red);
   for (int b = 0; b < nb; b++) {
@@ -163,7 +211,6 @@ __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn ou
   }
 }
 
-#ifdef MK_FAST
 // One block-wide scratch for the split-K partials (a static __shared__ inside the
 // template would be duplicated per instantiation).
 __device__ __forceinline__ float* matvec_scratch() {
@@ -245,11 +292,9 @@ __device__ void matvec_splitk_nb(int K, const float* xs, int nrows, RowFn row, O
   }
   __syncthreads();
 }
-#endif
 
 template <typename RowFn, typename OutFn>
 __device__ void matvec(int K, const float* xs, int nb, int nrows, RowFn row, OutFn out) {
-#ifdef MK_FAST
   if ((nrows + MV_ROWS - 1) / MV_ROWS * 2 <= NWARPS) {
     if (nb == 1) matvec_splitk_nb<1>(K, xs, nrows, row, out);
     else if (nb == 2) matvec_splitk_nb<2>(K, xs, nrows, row, out);
@@ -257,7 +302,6 @@ __device__ void matvec(int K, const float* xs, int nb, int nrows, RowFn row, Out
     else matvec_splitk_nb<4>(K, xs, nrows, row, out);
     return;
   }
-#endif
   if (nb == 1) matvec_nb<1>(K, xs, nrows, row, out);
   else if (nb == 2) matvec_nb<2>(K, xs, nrows, row, out);
   else if (nb == 3) matvec_nb<3>(K, xs, nrows, row, out);

@@ -1,4 +1,4 @@
-// MK_FAST only: before an instruction waits on its counters, thread 0 asks the
+// Before an instruction waits on its counters, thread 0 asks the
 // TMA unit to pull the start of the instruction's weight tile (and, for
 // attention, its KV pages) into L2 (cp.async.bulk.prefetch.L2, sm_90). Weights
 // never depend on the step's activations, so the bytes stream while the SM

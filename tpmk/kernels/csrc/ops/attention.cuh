@@ -6,7 +6,7 @@
 
 constexpr int ATTN_CHUNK = 64;   // tokens scored per pass
 constexpr int MAX_HEAD_DIM = 256;
-constexpr int ATTN_MAX_GROUP = 16;  // query heads per kv head on the MK_FAST path
+constexpr int ATTN_MAX_GROUP = 16;  // query heads per kv head on the fast path
 
 __device__ __forceinline__ float ld_kv(const wtype* p) {
 #ifndef MK_FLOAT32
@@ -42,18 +42,14 @@ __device__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr
     return reinterpret_cast<const wtype*>(cache) +
            ((((size_t)l * a.num_pages + page) * a.kv_heads + g) * ps + t % ps) * D;
   };
-#ifdef MK_FAST
-  // Row offsets of the chunk's tokens in smem (no page-table load on the hot path);
+  // Fast path: row offsets of the chunk's tokens in smem (no page-table load on the hot path);
   // V: thread (d, token group) keeps G accumulators, reduced over groups in fixed order.
+  // Other shapes (NTHREADS % D != 0 or G > ATTN_MAX_GROUP) take the plain loops.
   long long* off = reinterpret_cast<long long*>(st + ((3 * G + 1) & ~1));
   float* vpart = reinterpret_cast<float*>(off + ATTN_CHUNK);          // [NTHREADS / D, G, D]
   const bool fast = (NTHREADS % D == 0) && G <= ATTN_MAX_GROUP;
-#else
-  const bool fast = false;
-#endif
   for (int c0 = t0; c0 < t1; c0 += ATTN_CHUNK) {
     const int cn = min(ATTN_CHUNK, t1 - c0);
-#ifdef MK_FAST
     if (fast) {
       for (int t = threadIdx.x; t < cn; t += NTHREADS) {
         const int tok = c0 + t;
@@ -61,13 +57,8 @@ __device__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr
       }
       __syncthreads();
     }
-#endif
     for (int t = warp; t < cn; t += NWARPS) {
-#ifdef MK_FAST
       const wtype* k = fast ? reinterpret_cast<const wtype*>(a.k_cache) + off[t] : row(a.k_cache, c0 + t);
-#else
-      const wtype* k = row(a.k_cache, c0 + t);
-#endif
       float kr[MAX_HEAD_DIM / 32];
 #pragma unroll
       for (int j = 0; j < MAX_HEAD_DIM / 32; j++) kr[j] = (lane + 32 * j < D) ? ld_kv(k + lane + 32 * j) : 0.f;
@@ -102,7 +93,6 @@ __device__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr
       }
     }
     __syncthreads();
-#ifdef MK_FAST
     if (fast) {
       const int nt = NTHREADS / D, d = threadIdx.x % D, tg = threadIdx.x / D;
       const wtype* vb = reinterpret_cast<const wtype*>(a.v_cache) + d;
@@ -129,7 +119,6 @@ __device__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr
       __syncthreads();
       continue;
     }
-#endif
     for (int i = threadIdx.x; i < G * D; i += NTHREADS) {
       const int h = i / D, d = i % D;
       float s = acc[i] * st[2 * G + h];

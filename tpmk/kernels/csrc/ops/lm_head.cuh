@@ -2,28 +2,27 @@
 // vocab rows [ROW0, ROW0+NROWS); padded ids -> NEG_INF; logits stored locally; the
 // tile's best (value, global id; first id on ties) -> cand[rank, TILE, b] of every peer.
 #pragma once
-#include "mk_common.cuh"
+#include "mk_linear.cuh"
 
 __device__ void op_lm_head(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
   const int tile = ins[isa::F_TILE], H = a.hidden;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* red = smem;
-  float* xs = red + NWARPS * BATCH_CHUNK;
-  float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb, n]
-  const wtype* W = reinterpret_cast<const wtype*>(a.lm_head);
+  const wtype* W = reinterpret_cast<const wtype*>(a.lm_head) + (size_t)r0 * H;
+  const RowMap rows{W, W, n, H};
+  const XSrc src{reinterpret_cast<const float*>(a.x), H, reinterpret_cast<const wtype*>(a.final_norm), nullptr};
   float* logits = reinterpret_cast<float*>(a.logits);
   const int gid0 = a.rank * a.vocab_local + r0;
-  for (int b0 = 0; b0 < batch; b0 += BATCH_CHUNK) {
-    const int nb = min(BATCH_CHUNK, batch - b0);
-    load_normed(a, reinterpret_cast<const float*>(a.x), H, b0, nb, H,
-                reinterpret_cast<const wtype*>(a.final_norm), xs, red);
-    matvec(H, xs, nb, n, [&](int r) { return W + (size_t)(r0 + r) * H; },
-           [&](int r, int b, float v) {
-             v = gid0 + r < a.vocab_size ? v : isa::NEG_INF;
-             logits[(size_t)(b0 + b) * a.vocab_local + r0 + r] = v;
-             outs[b * n + r] = v;
-           });
+  const int chunk = linear_chunk(batch, n);
+  for (int b0 = 0; b0 < batch; b0 += chunk) {
+    const int nb = min(chunk, batch - b0);
+    float* outs = linear(a, batch, H, b0, nb, n, src, rows, smem);   // [nb, n]
+    for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
+      const int b = i / n, r = i % n;
+      const float v = gid0 + r < a.vocab_size ? outs[i] : isa::NEG_INF;
+      logits[(size_t)(b0 + b) * a.vocab_local + r0 + r] = v;
+      outs[i] = v;
+    }
     __syncthreads();
     for (int b = warp; b < nb; b += NWARPS) {
       float best = __int_as_float(0xff800000);

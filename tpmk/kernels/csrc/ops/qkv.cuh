@@ -2,7 +2,7 @@
 // rotary pairs [ARG0, ARG0+NROWS) (rows i and i + D/2), RoPE for q/k heads; q -> q buffer,
 // k/v -> paged cache [L, pages, Hkv, page_size, D].
 #pragma once
-#include "mk_common.cuh"
+#include "mk_linear.cuh"
 
 __device__ void op_qkv(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], l = ins[isa::F_LAYER], head = ins[isa::F_ROW0];
@@ -10,19 +10,15 @@ __device__ void op_qkv(const KernelArgs& a, const int* ins, const int* hdr, floa
   const int H = a.hidden, D = a.head_dim, half = D / 2, hq = a.q_heads, hkv = a.kv_heads;
   const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
   const int* pages = pos + a.bucket;
-  float* red = smem;
-  float* xs = red + NWARPS * BATCH_CHUNK;
-  float* outs = xs + BATCH_CHUNK * a.kmax;                      // [nb, 2n]
   const wtype* W = reinterpret_cast<const wtype*>(a.qkv) + (size_t)l * (hq + 2 * hkv) * D * H;
+  const RowMap rows{W + (size_t)(head * D + p0) * H, W + (size_t)(head * D + half + p0) * H, n, H};
+  const XSrc src{reinterpret_cast<const float*>(a.x), H,
+                 reinterpret_cast<const wtype*>(a.input_norm) + (size_t)l * H, nullptr};
   const float* inv_freq = reinterpret_cast<const float*>(a.rope_inv_freq);
-  for (int b0 = 0; b0 < batch; b0 += BATCH_CHUNK) {
-    const int nb = min(BATCH_CHUNK, batch - b0);
-    load_normed(a, reinterpret_cast<const float*>(a.x), H, b0, nb, H,
-                reinterpret_cast<const wtype*>(a.input_norm) + (size_t)l * H, xs, red);
-    matvec(H, xs, nb, 2 * n,
-           [&](int r) { return W + (size_t)(head * D + (r < n ? p0 + r : half + p0 + r - n)) * H; },
-           [&](int r, int b, float v) { outs[b * 2 * n + r] = v; });
-    __syncthreads();
+  const int chunk = linear_chunk(batch, 2 * n);
+  for (int b0 = 0; b0 < batch; b0 += chunk) {
+    const int nb = min(chunk, batch - b0);
+    const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, rows, smem);   // [nb, 2n]
     for (int idx = threadIdx.x; idx < nb * n; idx += NTHREADS) {
       const int b = idx / n, i = idx % n, t = pos[b0 + b];
       float y1 = outs[b * 2 * n + i], y2 = outs[b * 2 * n + n + i];

@@ -1,0 +1,51 @@
+// linear(): the one entry point of every matvec op (qkv, o_proj, gate_up, down, lm_head).
+// batch >= MMA_MIN_BATCH (bf16): tensor-core passes of up to MMA_PASS rows (mk_mma.cuh), each
+// weight tile read once per pass; smaller batches: CUDA-core matvec over BATCH_CHUNK rows.
+#pragma once
+#include "mk_common.cuh"
+#include "mk_mma.cuh"
+
+// Batch rows per linear() call for a tile of nrows outputs.
+__device__ __forceinline__ int linear_chunk(int batch, int nrows) {
+#ifdef MK_HAS_MMA
+  if (batch >= MMA_MIN_BATCH) return mma_pass_rows(nrows);
+#endif
+  return BATCH_CHUNK;
+}
+
+__device__ void load_x(const KernelArgs& a, const XSrc& src, int b0, int nb, int K, float* xs, float* red) {
+  if (!src.part) {
+    load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red);
+    return;
+  }
+  float* coef = xs + nb * K;   // o_proj: K = Hq * D <= kmax; host checks the room
+  merge_coefs(a, src.part, b0, nb, coef);
+  __syncthreads();
+  for (int i = threadIdx.x; i < nb * K / 4; i += NTHREADS) {
+    const int b = i / (K / 4), k = i % (K / 4) * 4;
+    *reinterpret_cast<float4*>(xs + b * K + k) = merged4(a, src.part, coef, b0, b, k);
+  }
+  __syncthreads();
+}
+
+// Returns outs [nb][nrows]: outs[b * nrows + r] = W[row(r)] . xin(b0 + b) for b < nb <=
+// linear_chunk(batch, nrows). Ends with __syncthreads(): outs is readable by every thread
+// (and writable until the caller's next __syncthreads()).
+__device__ float* linear(const KernelArgs& a, int batch, int K, int b0, int nb, int nrows,
+                         const XSrc& src, const RowMap& row, float* smem) {
+  float* red = smem;
+  float* base = smem + NWARPS * BATCH_CHUNK;
+#ifdef MK_HAS_MMA
+  if (batch >= MMA_MIN_BATCH) {
+    float* outs = base + MMA_SS_WORDS + MMA_XWORDS;
+    matvec_mma(a, K, b0, nb, nrows, src, row, outs, base);
+    return outs;
+  }
+#endif
+  float* xs = base;
+  float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb][nrows]
+  load_x(a, src, b0, nb, K, xs, red);
+  matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; });
+  __syncthreads();
+  return outs;
+}
