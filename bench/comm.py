@@ -32,7 +32,9 @@ HIDDEN = 8192
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 NOT_MEASURED = ("multi-GPU latency was NOT measured: no multi-GPU machine was lent this session. "
                 "tpmk rows are virtual TP (all ranks on ONE GPU, sharing its SMs and HBM); "
-                "NCCL rows are world_size=1 on the same GPU.")
+                "NCCL rows are world_size=1 on the same GPU: for an in-place all-reduce NCCL then "
+                "launches no GPU work (its captured graph is empty), so those rows measure "
+                "torch.distributed host overhead only, not communication.")
 
 
 def time_calls(fn, calls: int, repeats: int = 5) -> float:
@@ -130,6 +132,11 @@ def print_table(rows):
                   f"{t['two_shot']['graph_us']:7.1f} | {n.get('eager_us', float('nan')):7.1f} "
                   f"{n.get('graph_us', float('nan')):7.1f}")
     print(NOT_MEASURED)
+    auto = [(w, B, t) for w in sorted({r["world_size"] for r in rows if r["impl"] != "nccl"})
+            for B in sorted({r["B"] for r in rows})
+            for t in [min((r["graph_us"], r["algo"]) for r in rows
+                          if r["impl"] != "nccl" and r["world_size"] == w and r["B"] == B)]]
+    print("fastest (graph): " + ", ".join(f"W{w}/B{B}:{a}" for w, B, (_, a) in auto))
 
 
 def main(argv=None):

@@ -1,0 +1,3 @@
+from tpmk.comm.allreduce import CommError, Communicator
+
+__all__ = ["Communicator", "CommError"]

@@ -32,6 +32,7 @@ ENTRY = "tpmk_allreduce_bf16"
 THREADS = 512                      # must match allreduce.cu TPMK_THREADS
 ALGOS = {"one_shot": 0, "two_shot": 1}
 _U64 = ctypes.c_uint64
+_BF16 = torch.bfloat16
 
 
 class CommError(RuntimeError):
@@ -70,6 +71,14 @@ def pick_algo(nbytes: int, one_shot_max_bytes: int) -> str:
     return "one_shot" if nbytes <= one_shot_max_bytes else "two_shot"
 
 
+def default_one_shot_max_bytes(world_size: int) -> int:
+    """One-shot moves (W-1)x more bytes than two-shot but needs one flag round instead of
+    two. Crossover measured in virtual TP on an H200 (bench/results/comm_NVIDIA_H200.json):
+    ~1-2 MiB at W=2, ~1 MiB at W=4, ~256-512 KiB at W=8, i.e. about 2 MiB / W. Re-measure
+    on NVLink when a multi-GPU machine is lent."""
+    return (2 << 20) // max(world_size, 1)
+
+
 class Communicator:
     def __init__(self, layout: ArenaLayout, device: int, rank0: int, local_ranks: int,
                  peer_ptrs: list[int], arenas: list[DeviceArena], opened: list[int],
@@ -77,11 +86,14 @@ class Communicator:
         self.layout, self.device, self.rank0, self.local_ranks = layout, device, rank0, local_ranks
         self.world_size = layout.world_size
         self.peer_ptrs, self.arenas, self.opened = peer_ptrs, arenas, opened
-        self.timeout_s, self.one_shot_max_bytes = timeout_s, one_shot_max_bytes
+        self.timeout_s = timeout_s
+        self.one_shot_max_bytes = (default_one_shot_max_bytes(self.world_size)
+                                   if one_shot_max_bytes is None else one_shot_max_bytes)
         self.virtual_mode = local_ranks == self.world_size
         self.error = ErrorBlock()
         self.broken: CommError | None = None
         self._rendezvous = None     # per-process mode: the all_gather used at start
+        self._plans: dict = {}      # (algo, absent, n, buffer pointers) -> kernel args per chunk
         # one GPU for every rank of the launch -> .gpu scope; otherwise .sys
         self.fn = _function(device, gpu_scope=self.virtual_mode)
 
@@ -100,7 +112,7 @@ class Communicator:
     @classmethod
     def virtual(cls, world_size: int, device: int | None = None, slot_bytes: int = 16 << 20,
                 blocks_per_rank: int | None = None, timeout_s: float = 10.0,
-                one_shot_max_bytes: int = 256 << 10) -> "Communicator":
+                one_shot_max_bytes: int | None = None) -> "Communicator":
         """N ranks in this process on one GPU (rank groups of one cooperative launch)."""
         device = torch.cuda.current_device() if device is None else device
         layout = cls._layout(world_size, blocks_per_rank, slot_bytes, device, virtual=True)
@@ -112,7 +124,7 @@ class Communicator:
     @classmethod
     def from_group(cls, group=None, device: int | None = None, slot_bytes: int = 16 << 20,
                    blocks_per_rank: int | None = None, timeout_s: float = 10.0,
-                   one_shot_max_bytes: int = 256 << 10, all_gather=None) -> "Communicator":
+                   one_shot_max_bytes: int | None = None, all_gather=None) -> "Communicator":
         """One rank per process; `group` is an initialized torch.distributed group (gloo is
         enough) whose rank i is TP rank i. `all_gather` overrides the rendezvous."""
         import torch.distributed as dist
@@ -177,6 +189,9 @@ class Communicator:
             raise self.broken
 
     # ---- all-reduce -----------------------------------------------------------------
+    def pick_algo(self, nbytes: int) -> str:
+        return pick_algo(nbytes, self.one_shot_max_bytes)
+
     def _validate(self, tensors: list[torch.Tensor]) -> int:
         n = tensors[0].numel()
         for r, t in enumerate(tensors):
@@ -190,7 +205,7 @@ class Communicator:
                 raise ValueError(f"all ranks must reduce the same numel: {[x.numel() for x in tensors]}")
         return n
 
-    def _launch(self, ins: list[int], outs: list[int], n: int, algo: int, absent_rank: int):
+    def _params(self, ins: list[int], outs: list[int], n: int, algo: int, absent_rank: int) -> _Params:
         L = self.layout
         p = _Params()
         p.peers[:self.world_size] = self.peer_ptrs
@@ -202,39 +217,60 @@ class Communicator:
         p.world_size, p.local_ranks, p.rank0 = self.world_size, self.local_ranks, self.rank0
         p.blocks_per_rank = p.max_blocks = L.max_blocks
         p.algo, p.absent_rank = algo, absent_rank
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        build.launch(self.fn, self.local_ranks * L.max_blocks, THREADS, [p], stream,
-                     cooperative=self.virtual_mode)
+        return p
 
-    def _run(self, tensors: list[torch.Tensor], outputs: list[torch.Tensor] | None, algo: str,
-             absent_rank: int = -1):
-        self._raise_if_alarmed()
+    def _plan(self, tensors, outputs, algo: str, absent_rank: int) -> list[build.KernelArgs]:
+        """Validate once per (buffers, size, algo): one kernel-argument block per chunk."""
         if len(tensors) != self.local_ranks:
             raise ValueError(f"expected {self.local_ranks} tensors (one per local rank), got {len(tensors)}")
-        outputs = tensors if outputs is None else outputs
         if len(outputs) != len(tensors):
             raise ValueError(f"{len(outputs)} outputs for {len(tensors)} inputs")
         n = self._validate(list(tensors) + list(outputs))
-        if n == 0:
-            return
-        algo = pick_algo(2 * n, self.one_shot_max_bytes) if algo == "auto" else algo
+        algo = self.pick_algo(2 * n) if algo == "auto" else algo
         if algo not in ALGOS:
             raise ValueError(f"algo={algo!r}; choose one of {list(ALGOS)} or 'auto'")
-        # 16-byte vector access needs contiguous, 16-byte aligned buffers
-        ok = [t.is_contiguous() and t.data_ptr() % 16 == 0 for t in list(tensors) + list(outputs)]
-        if all(ok):
-            ins, outs = tensors, outputs
-        else:
-            ins = [t.contiguous().clone() for t in tensors]
-            outs = ins
-        chunk = self.layout.chunk_elems
+        chunk, plan = self.layout.chunk_elems, []
         for c0 in range(0, n, chunk):
-            m = min(chunk, n - c0)
-            self._launch([t.data_ptr() + 2 * c0 for t in ins], [t.data_ptr() + 2 * c0 for t in outs],
-                         m, ALGOS[algo], absent_rank)
-        if outs is not outputs:
-            for o, w in zip(outputs, outs):
-                o.copy_(w.view(o.shape))
+            p = self._params([t.data_ptr() + 2 * c0 for t in tensors],
+                             [t.data_ptr() + 2 * c0 for t in outputs],
+                             min(chunk, n - c0), ALGOS[algo], absent_rank)
+            plan.append(build.KernelArgs([p]))
+        return plan
+
+    def _run(self, tensors, outputs, algo: str, absent_rank: int = -1):
+        if self.broken is not None or self.error.alarmed:
+            self._raise_if_alarmed()
+        everything = tensors if outputs is None else (*tensors, *outputs)
+        n = tensors[0].numel()
+        # one pass, cheap checks only; a plan is re-validated whenever anything differs
+        key, usable = [algo, absent_rank, n], True
+        for t in everything:
+            ptr = t.data_ptr()
+            key.append(ptr)
+            usable &= t.is_contiguous() and ptr % 16 == 0 and t.dtype == _BF16 and t.numel() == n
+        if not usable:
+            self._run_unaligned(tensors, everything[len(tensors):] or tensors, algo, absent_rank)
+            return
+        if n == 0:
+            return
+        plan = self._plans.get(key := tuple(key))
+        if plan is None:
+            plan = self._plan(tensors, everything[len(tensors):] or tensors, algo, absent_rank)
+            if len(self._plans) > 64:
+                self._plans.clear()
+            self._plans[key] = plan
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        grid = self.local_ranks * self.layout.max_blocks
+        for args in plan:
+            build.launch(self.fn, grid, THREADS, args, stream, cooperative=self.virtual_mode)
+
+    def _run_unaligned(self, tensors, outputs, algo: str, absent_rank: int):
+        """16-byte vector access needs contiguous, 16-byte aligned buffers: copy, run, copy back."""
+        self._validate(list(tensors) + list(outputs))
+        work = [t.contiguous().clone() for t in tensors]
+        self._run(work, None, algo, absent_rank)
+        for o, w in zip(outputs, work):
+            o.copy_(w.view(o.shape))
 
     def all_reduce_virtual(self, tensors: list[torch.Tensor], outputs: list[torch.Tensor] | None = None,
                            algo: str = "auto", absent_rank: int = -1):

@@ -9,7 +9,8 @@ API (small and stable; shared by tpmk.comm and the megakernel):
         refused with a clear message), loads the cubin into the current CUDA context;
         `Module.function(entry)` returns the CUfunction to launch.
     launch(function, grid, block, params, stream=0, shmem=0, cooperative=False)
-        `params`: ctypes objects, one per kernel parameter, in order.
+        `params`: ctypes objects, one per kernel parameter, in order, or a KernelArgs
+        built from them once (reused across launches).
     source_variants(path) -> list[tuple[str, ...]]
         The option sets a .cu file declares in a `// nvrtc-variants: A ; B` line
         (`<default>` = no extra option); CI compiles every variant of every csrc/*.cu.
@@ -199,13 +200,22 @@ def compile_module(source_or_path, name: str | None = None, options=(), arch: st
 _LAUNCH_CONFIGS: dict = {}
 
 
+class KernelArgs:
+    """ctypes kernel parameters plus the void*[] that cuLaunchKernelEx reads; build once
+    and launch many times (saves host time on every call)."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self._ptrs = (ctypes.c_void_p * len(self.params))(*[ctypes.addressof(p) for p in self.params])
+        self.address = ctypes.addressof(self._ptrs)
+
+
 def launch(function, grid: int, block: int, params, stream=0, shmem: int = 0,
            cooperative: bool = False):
     """Launch with ctypes parameters. cooperative=True guarantees every block is resident
     at once (virtual TP spins across blocks) and fails loudly if the grid cannot fit."""
     from cuda.bindings import driver as cu
-    ptrs = (ctypes.c_void_p * len(params))(*[ctypes.addressof(p) for p in params])
-    args = ctypes.addressof(ptrs)
+    args = params if isinstance(params, KernelArgs) else KernelArgs(params)
     key = (grid, block, shmem, int(stream), cooperative)
     cfg = _LAUNCH_CONFIGS.get(key)
     if cfg is None:
@@ -223,5 +233,5 @@ def launch(function, grid: int, block: int, params, stream=0, shmem: int = 0,
         if len(_LAUNCH_CONFIGS) > 256:
             _LAUNCH_CONFIGS.clear()
         _LAUNCH_CONFIGS[key] = cfg
-    _check(cu.cuLaunchKernelEx(cfg, function, args, 0),
+    _check(cu.cuLaunchKernelEx(cfg, function, args.address, 0),
            f"launch(grid={grid}, block={block}, cooperative={cooperative})")
