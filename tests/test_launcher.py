@@ -195,6 +195,45 @@ def test_ray_job_submit_generate(ray_cluster, tiny_dir, hf_tokens):
     assert [g["token_ids"] for g in json_lines(r.stdout)] == hf_tokens
 
 
+def test_ray_job_submit_serve(ray_cluster, tiny_dir, hf_tokens):
+    """`ray job submit -- tpmk serve --launcher ray --tp 2` answers a completion on 127.0.0.1."""
+    import json
+    import urllib.error
+    import urllib.request
+    ray_bin, address, env = ray_cluster
+    port = _free_port()
+    runtime_env = '{"env_vars": {"PYTHONPATH": "%s", "OMP_NUM_THREADS": "1"}}' % REPO
+    r = subprocess.run(
+        [str(ray_bin), "job", "submit", "--no-wait", "--address", address,
+         "--runtime-env-json", runtime_env, "--", sys.executable, "-m", "tpmk", "serve",
+         "--launcher", "ray", "--tp", "2", "--device", "cpu", "--model", tiny_dir,
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    job_id = next(w.strip("'") for line in r.stdout.splitlines() for w in line.split()
+                  if w.strip("'").startswith("raysubmit_"))
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS,
+                       "temperature": 0, "ignore_eos": True, "return_token_ids": True}).encode()
+    try:
+        deadline, reply = time.monotonic() + 180, None
+        while reply is None and time.monotonic() < deadline:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+                reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+            except urllib.error.HTTPError as e:
+                pytest.fail(f"HTTP {e.code}: {e.read()[:2000]!r}")
+            except OSError:  # not listening yet
+                time.sleep(2)
+        logs = subprocess.run([str(ray_bin), "job", "logs", "--address", address, job_id],
+                              capture_output=True, text=True, env=env).stdout
+        assert reply is not None, f"server never answered; job logs:\n{logs[-4000:]}"
+        assert reply["choices"][0]["token_ids"] == hf_tokens[0]
+    finally:
+        subprocess.run([str(ray_bin), "job", "stop", "--address", address, job_id],
+                       capture_output=True, env=env, timeout=60)
+
+
 # ---- MPI -----------------------------------------------------------------------------------
 
 def test_mpi_generate(tiny_dir, hf_tokens):
