@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tpmk.config import ModelConfig
-from tpmk.kernels.interpreter import rope_inv_freq
+from tpmk.rope import rope_inv_freq
 from tpmk.kernels.megakernel import Megakernel
 from tpmk.kernels.schedule import build_schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab

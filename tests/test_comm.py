@@ -2,7 +2,6 @@
 float64 and an independent fp32 rank-order sum (GPU tests, marked)."""
 import ctypes
 import json
-import struct
 import time
 
 import pytest

@@ -25,14 +25,6 @@ MIXED = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.
          SamplingParams(temperature=0.7, top_p=0.9, seed=3)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: OpenMP threads only spin against each other on a busy 2-core CI box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @functools.lru_cache(maxsize=None)
 def oracle(name: str):

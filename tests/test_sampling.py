@@ -10,14 +10,6 @@ from tpmk.engine.sampling import CANDIDATE_CAP, gumbel, row_keys, sample, sample
 VOCAB = 50
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: OpenMP threads only spin against each other on a busy 2-core CI box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def split(logits: torch.Tensor, tp: int, vocab: int) -> list[torch.Tensor]:
     """Full [B, vocab] logits -> tp slices of the padded vocab (pad rows hold huge values,

@@ -11,7 +11,6 @@ I local intermediate, Vl local (padded) vocab rows.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -19,32 +18,13 @@ import torch.nn.functional as F
 from tpmk.config import ModelConfig
 from tpmk.engine.kv_cache import KVCache
 from tpmk.partition.weights import RankWeights
+from tpmk.rope import rope_inv_freq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[D/2] float32 inverse frequencies, with llama3 frequency-dependent scaling if configured."""
-    D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    # llama3: long wavelengths are slowed down by `factor`, short ones kept, and the band in
-    # between interpolates linearly in 1/wavelength.
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-              / (s.high_freq_factor - s.low_freq_factor))
-    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
-    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(in_band, blended, scaled)
 
 
 def rope_tables(cfg: ModelConfig, max_positions: int, device, dtype) -> tuple[torch.Tensor, ...]:

@@ -24,24 +24,7 @@ from tpmk.kernels.isa import NEG_INF
 from tpmk.kernels.ops import Instruction
 from tpmk.kernels.schedule import Schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[D/2] float32 inverse frequencies, with llama3 frequency-dependent scaling."""
-    D = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
-    sc = cfg.rope_scaling
-    if sc is None:
-        return inv
-    low_wl = sc.original_max_position_embeddings / sc.low_freq_factor
-    high_wl = sc.original_max_position_embeddings / sc.high_freq_factor
-    wl = 2 * torch.pi / inv
-    scaled = torch.where(wl > low_wl, inv / sc.factor, inv)
-    smooth = (sc.original_max_position_embeddings / wl - sc.low_freq_factor) / (
-        sc.high_freq_factor - sc.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
-    medium = ~(wl < high_wl) & ~(wl > low_wl)
-    return torch.where(medium, smoothed, scaled)
+from tpmk.rope import rope_inv_freq
 
 
 @dataclass
@@ -217,4 +200,4 @@ class VM:
         return full[:, :self.vocab_size]
 
 
-__all__ = ["VM", "RankState", "rope_inv_freq", "NEG_INF"]
+__all__ = ["VM", "RankState", "NEG_INF"]

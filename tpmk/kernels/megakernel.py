@@ -15,7 +15,7 @@ import torch
 
 from tpmk.config import ModelConfig
 from tpmk.kernels import isa
-from tpmk.kernels.interpreter import rope_inv_freq
+from tpmk.rope import rope_inv_freq
 from tpmk.kernels.schedule import Schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
 
