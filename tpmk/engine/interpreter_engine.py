@@ -38,28 +38,33 @@ def sample_tokens(logits: torch.Tensor, positions: list[int], sampling: list[Sam
 
 class InterpreterEngine:
     virtual_tp = True  # all tp ranks in this process (the launcher starts one process)
+    name = "interpreter"
 
     def __init__(self, cfg: ModelConfig, runtime: RuntimeConfig, shards: list[RankWeights],
                  group=None, prefill: str = "reference"):
-        self._init_prefill(prefill)
+        if prefill not in ("reference", "stream"):
+            raise ValueError(f"prefill={prefill!r}; use 'reference' or 'stream'")
+        self.prefill_mode, self._reference = prefill, None
         if group is not None or len(shards) != runtime.tp:
             raise ValueError(
-                f"the interpreter engine runs all tp={runtime.tp} ranks in one process: pass all "
-                f"{runtime.tp} shards (got {len(shards)}) and group=None (virtual TP)")
+                f"the {self.name} engine runs virtual TP: all tp={runtime.tp} ranks in one "
+                f"process; pass all {runtime.tp} shards (got {len(shards)}) and group=None")
+        device = self.device(runtime)
         dtype = getattr(torch, runtime.resolved_dtype())
         self.cfg, self.runtime = cfg, runtime
-        self.shards = [s.to(device="cpu") for s in shards]
+        self.shards = [s.to(device=device, dtype=dtype) for s in shards]
         # the shared paged layout (tpmk.engine.kv_cache), one KVCache per local rank
-        self.caches = [KVCache.allocate(cfg, runtime, "cpu", dtype) for _ in shards]
+        self.caches = [KVCache.allocate(cfg, runtime, device, dtype) for _ in shards]
         self.k_caches = [c.k for c in self.caches]
         self.v_caches = [c.v for c in self.caches]
-        self.schedule = build_schedule(cfg, runtime.tp, runtime.max_batch, INTERPRETER_SMS)
-        self.vm = VM(cfg, self.schedule, self.shards, self.k_caches, self.v_caches)
+        self.vm = self.build_vm()
 
-    def _init_prefill(self, mode: str) -> None:
-        if mode not in ("reference", "stream"):
-            raise ValueError(f"prefill={mode!r}; use 'reference' or 'stream'")
-        self.prefill_mode, self._reference = mode, None
+    def device(self, runtime: RuntimeConfig) -> str:
+        return "cpu"
+
+    def build_vm(self):
+        schedule = build_schedule(self.cfg, self.runtime.tp, self.runtime.max_batch, INTERPRETER_SMS)
+        return VM(self.cfg, schedule, self.shards, self.k_caches, self.v_caches)
 
     def _reference_engine(self):
         """The reference engine, writing into this engine's KV caches (same layout)."""
