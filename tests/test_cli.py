@@ -119,6 +119,7 @@ def test_help_lists_commands_and_flags(capsys):
     (["--model", "llama-3.1-8b"], "make-checkpoint"),
     (["--prompt-ids", "1,2", "--max-new-tokens", "2000"], "max_seq_len=1024"),
     (["--prompt-ids", "100000"], "vocab_size"),
+    (["--profile", "t.json"], "--profile needs --engine megakernel"),
 ])
 def test_errors_name_the_bad_value(capsys, args, expected):
     try:

@@ -197,3 +197,28 @@ def test_megakernel_engine_vs_reference_engine(tp):
                 assert gap < 2e-2 * float(top[0].abs()), (
                     f"step {s} seq {i}: megakernel {b.tokens[i]} != reference {a.tokens[i]}, gap {gap:.3e}")
         toks = a.tokens
+
+
+@pytest.mark.gpu
+def test_megakernel_engine_profile_trace(tmp_path):
+    """--profile: the trace holds complete events (at most one per instruction of each rank)
+    from both ranks, each with a positive duration, named after its op."""
+    from tpmk.config import RuntimeConfig
+    from tpmk.engine.api import Decode, Prefill, SamplingParams
+    from tpmk.engine.megakernel_engine import MegakernelEngine
+    import json
+    cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
+    _, shards = shards_for(cfg, 2, seed=3, dtype=torch.bfloat16)
+    trace = tmp_path / "trace.json"
+    rt = RuntimeConfig(tp=2, device="cuda", dtype="bfloat16", max_batch=4, max_seq_len=128,
+                       profile=str(trace))
+    mk = MegakernelEngine(cfg, rt, shards)
+    pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+    greedy = [SamplingParams()] * 3
+    toks = mk.prefill(Prefill(PROMPTS, pages, greedy)).tokens
+    mk.decode(Decode(toks, [len(p) for p in PROMPTS], pages, greedy))
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert 0 < len(events) <= 2 * len(mk.vm.sched.instructions)
+    assert {e["pid"] for e in events} == {0, 1}
+    assert all(e["ph"] == "X" and e["dur"] > 0 for e in events)
+    assert {e["name"].split()[0] for e in events} >= {"qkv", "attention", "down"}

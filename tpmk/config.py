@@ -243,6 +243,7 @@ class RuntimeConfig:
     num_pages: int = 0            # 0: enough for max_batch sequences of max_seq_len
     cuda_graphs: bool = True
     seed: int = 0
+    profile: str = ""             # megakernel: Chrome-trace JSON of the latest decode step
 
     def __post_init__(self):
         if self.tp not in (1, 2, 4, 8):

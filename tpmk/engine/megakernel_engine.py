@@ -8,9 +8,13 @@ position at a time instead.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from tpmk.config import RuntimeConfig
+from tpmk.engine.api import Decode, StepResult
 from tpmk.engine.interpreter_engine import InterpreterEngine
 from tpmk.kernels.megakernel import Megakernel
 from tpmk.kernels.schedule import build_schedule
@@ -29,4 +33,10 @@ class MegakernelEngine(InterpreterEngine):
         schedule = build_schedule(self.cfg, self.runtime.tp, self.runtime.max_batch, sms)
         max_pages = -(-self.runtime.max_seq_len // self.runtime.page_size)
         return Megakernel(self.cfg, schedule, self.shards, self.k_caches, self.v_caches,
-                          max_pages_per_seq=max_pages)
+                          max_pages_per_seq=max_pages, profile=bool(self.runtime.profile))
+
+    def decode(self, cmd: Decode) -> StepResult:
+        result = super().decode(cmd)
+        if self.runtime.profile:  # overwritten each step: the file holds the latest one
+            Path(self.runtime.profile).write_text(json.dumps({"traceEvents": self.vm.profile_trace()}))
+        return result

@@ -110,14 +110,20 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "max-seq-len (default)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="decode eagerly on GPU (reference engine)")
+    p.add_argument("--profile", default="", metavar="TRACE.json",
+                   help="megakernel: write per-instruction start/end times of the latest decode "
+                        "step as a Chrome trace (open in chrome://tracing or Perfetto)")
 
 
 def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
     """RuntimeConfig from the add_runtime_args flags; errors name the flag."""
     if args.engine not in ENGINES and ":" not in args.engine:
         raise ValueError(f"--engine {args.engine!r} is unknown; use one of {', '.join(ENGINES)}")
+    if args.profile and args.engine != "megakernel":
+        raise ValueError(f"--profile needs --engine megakernel (got --engine {args.engine}): "
+                         "only the megakernel records per-instruction timestamps")
     return RuntimeConfig(
         tp=args.tp, device=args.device, dtype=args.dtype, engine=args.engine,
         page_size=args.page_size, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
         num_pages=args.num_pages, cuda_graphs=args.cuda_graphs,
-        seed=getattr(args, "seed", None) or 0)
+        seed=getattr(args, "seed", None) or 0, profile=args.profile)
