@@ -20,7 +20,6 @@ from dataclasses import dataclass
 FLAG_LINE = 128
 FLAG_KINDS = ("data", "gather")          # must match allreduce.cu FLAG_DATA, FLAG_GATHER
 MAX_RANKS = 8                            # must match allreduce.cu TPMK_MAX_RANKS
-VECTOR_BYTES = 16                        # 8 bf16 per 16-byte access
 # ErrorRecord in comm.cuh: status, rank, peer, flag, block, pad (int32), expected, seen (u64)
 ERROR_RECORD = struct.Struct("<6i2Q")
 assert ERROR_RECORD.size == 40

@@ -22,7 +22,7 @@ from tpmk.engine import model as M
 from tpmk.engine.api import Decode, Prefill, StepResult
 from tpmk.engine.kv_cache import HostPageTable, KVCache, check_pages, page_slots
 from tpmk.engine.sampling import gather_ranks, sample_vocab_parallel
-from tpmk.partition.weights import RankWeights, padded_vocab
+from tpmk.partition.weights import RankWeights
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -57,7 +57,6 @@ class ReferenceEngine:
         self.first_rank = ranks[0]
         self.device = shards[0].embed.device
         self.dtype = shards[0].embed.dtype
-        self.vocab_local = padded_vocab(cfg, runtime.tp) // runtime.tp
         self._all_reduce = all_reduce
         self.caches = [KVCache.allocate(cfg, runtime, self.device, self.dtype) for _ in shards]
         self.max_seq_len = runtime.max_seq_len

@@ -82,7 +82,6 @@ class VM:
             for w, k, v in zip(shards, k_caches, v_caches)]
         self.epoch = 0
         self.counters = [[0] * sched.num_counters for _ in range(self.tp)]
-        self.executed = 0
 
     # ---- helpers the ops use ------------------------------------------
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -113,7 +112,6 @@ class VM:
     def run(self, rank: int, ins: Instruction) -> None:
         if self.stop_after < 0 or ins.arg4 <= self.stop_after:
             ins.execute(self, rank)
-        self.executed += 1
         if ins.signal >= 0:
             for r in (range(self.tp) if ins.signal_peers else (rank,)):
                 self.counters[r][ins.signal] += 1
