@@ -28,4 +28,7 @@ for args in "${BENCH:-}" "${BENCH2:-}"; do   # results: $OUT/bench1, $OUT/bench2
   [ -n "$args" ] && timeout ${BENCH_TIMEOUT:-200} python3 bench/decode.py $args --out "$OUT/bench$i" 2>&1 | tail -20
   i=$((i + 1))
 done
+for t in "$OUT"/trace*.json; do   # bench/decode.py --profile "$OUT/trace_<name>.json"
+  [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t"
+done
 echo "== all done at $(( $(date +%s) - t0 )) s"

@@ -245,5 +245,6 @@ class Megakernel:
                     if s and e:
                         ins = self.sched.instructions[i]
                         events.append(dict(name=f"{ins.name} L{ins.layer} t{ins.tile}", ph="X", pid=r, tid=sm,
-                                           ts=(s - t0) / 1e3, dur=(e - s) / 1e3))
+                                           ts=(s - t0) / 1e3, dur=(e - s) / 1e3,
+                                           args=dict(stage=ins.arg4)))
         return events

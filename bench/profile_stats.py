@@ -1,0 +1,69 @@
+"""Summarise a megakernel Chrome trace (`--profile`): where a decode step's time goes.
+
+For each op (qkv, attention, ...) over all layers of rank 0: instructions per layer,
+mean / max instruction time, and the mean critical-path share: the time from the
+previous stage's last instruction end to this stage's last end (what the stage adds
+to the step when stages run back to back). Also the mean gap before an instruction
+on its SM (instruction fetch + counter wait).
+
+  python bench/profile_stats.py trace.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def stats(events: list[dict], pid: int = 0) -> list[dict]:
+    ev = [e for e in events if e.get("pid", 0) == pid]
+    stages: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for e in ev:   # key: (op, stage number in program order)
+        stages[(e["name"].split()[0], e["args"]["stage"])].append(e)
+    order = sorted(stages, key=lambda k: k[1])
+    per_op: dict[str, dict] = {}
+    prev_end = min(e["ts"] for e in ev)
+    for key in order:
+        es = stages[key]
+        end = max(e["ts"] + e["dur"] for e in es)
+        s = per_op.setdefault(key[0], dict(op=key[0], stages=0, n=0, dur=0.0, dmax=0.0, crit=0.0))
+        s["stages"] += 1
+        s["n"] += len(es)
+        s["dur"] += sum(e["dur"] for e in es)
+        s["dmax"] = max(s["dmax"], max(e["dur"] for e in es))
+        s["crit"] += end - prev_end
+        prev_end = end
+    by_sm: dict[int, list[dict]] = defaultdict(list)
+    for e in ev:
+        by_sm[e["tid"]].append(e)
+    gaps: dict[str, list[float]] = defaultdict(list)
+    for q in by_sm.values():
+        q.sort(key=lambda e: e["ts"])
+        for a, b in zip(q, q[1:]):
+            gaps[b["name"].split()[0]].append(b["ts"] - a["ts"] - a["dur"])
+    total = prev_end - min(e["ts"] for e in ev)
+    rows = []
+    for s in per_op.values():
+        g = gaps.get(s["op"], [0.0])
+        rows.append(dict(op=s["op"], per_stage=s["n"] / s["stages"], mean_us=s["dur"] / s["n"],
+                         max_us=s["dmax"], crit_us_per_stage=s["crit"] / s["stages"],
+                         crit_total_us=s["crit"], crit_frac=s["crit"] / total,
+                         mean_gap_us=sum(g) / len(g)))
+    rows.sort(key=lambda r: -r["crit_total_us"])
+    return rows, total
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    args = ap.parse_args()
+    rows, total = stats(json.load(open(args.trace))["traceEvents"])
+    print(f"step span {total:.1f} us (rank 0)")
+    print(f"{'op':>10} {'tiles':>6} {'mean us':>8} {'max us':>7} {'crit us/stage':>13} {'crit %':>6} {'gap us':>7}")
+    for r in rows:
+        print(f"{r['op']:>10} {r['per_stage']:6.0f} {r['mean_us']:8.2f} {r['max_us']:7.2f} "
+              f"{r['crit_us_per_stage']:13.2f} {100 * r['crit_frac']:6.1f} {r['mean_gap_us']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
