@@ -20,7 +20,9 @@ from tpmk.kernels.schedule import Schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
 
 CSRC = Path(__file__).parent / "csrc"
-NTHREADS, NWARPS, BATCH_CHUNK, ATTN_CHUNK = 512, 16, 4, 64   # must match mk_common.cuh / attention.cuh
+NTHREADS, NWARPS, BATCH_CHUNK = 512, 16, 4   # must match mk_common.cuh
+ATTN_CHUNK, ATTN_HG = 64, 8                    # must match attention.cuh
+HEAD_DIMS = (8, 16, 32, 64, 128, 256)          # attention.cuh: D / 8 lanes per token row tile a warp
 SMEM_LIMIT = 227 * 1024 - 1024
 
 
@@ -55,8 +57,8 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
         elif ins.name in ("lm_head", "o_proj", "down"):
             out_max = max(out_max, BATCH_CHUNK * ins.nrows)
     G, D = hq // hkv, cfg.head_dim
-    attn = 2 * G * D + G * ATTN_CHUNK + 3 * G + 2   # attention.cuh: q, acc, scores, m/l/alpha
-    attn += 2 * ATTN_CHUNK + NTHREADS * G           # fast path: token offsets, V partials
+    # attention.cuh: q, acc, scores, m/l/alpha (padded to 4), per-warp V partials
+    attn = 2 * G * D + G * ATTN_CHUNK + ((3 * G + 3) & ~3) + NWARPS * ATTN_HG * D
     S = sched.num_splits
     merge = BATCH_CHUNK * (hq * D + hq * S)         # o_proj input + split weights (mk_linear.cuh)
     words = max(BATCH_CHUNK * kmax + out_max, merge, attn)
@@ -97,9 +99,12 @@ class Megakernel:
         for name, k in (("hidden_size", H), ("q_heads*head_dim", hq * D), ("intermediate/tp", inter)):
             if k % 8:
                 raise ValueError(f"{name}={k} must be a multiple of 8 for 16-byte loads")
-        if D > 256 or D % 4:
-            raise ValueError(f"head_dim={D} is not supported: attention.cuh needs <= 256, the split "
-                             f"merge (mk_common.cuh merged4) a multiple of 4")
+        if D not in HEAD_DIMS:
+            raise ValueError(f"head_dim={D} is not supported by the megakernel's attention; "
+                             f"supported: {HEAD_DIMS} (every Llama model uses 64 or 128)")
+        if sched.num_splits > 32:
+            raise ValueError(f"num_splits={sched.num_splits} > 32 (the split merge uses one lane "
+                             f"per split)")
         self.smem = smem_bytes(cfg, sched, kmax, mma=dtype == torch.bfloat16)
         if self.smem > SMEM_LIMIT:
             raise ValueError(f"megakernel needs {self.smem} B of shared memory (kmax={kmax}), "

@@ -133,7 +133,7 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         o = [OProj(layer=l, tile=j, row0=c, nrows=n, waits=[(attn_done[l], len(attn))],
                    signal=arrive[2 * l + 1][j], signal_peers=True)
              for j, (c, n) in enumerate(h_tiles)]
-        gu_tiles = _tiles(inter, num_sms, 8)
+        gu_tiles = _tiles(inter, num_sms, 4)
         gu = [GateUp(layer=l, tile=t, row0=c, nrows=n, waits=[(ready[2 * l + 1], nh)],
                      signal=gu_done[l]) for t, (c, n) in enumerate(gu_tiles)]
         dn = [Down(layer=l, tile=j, row0=c, nrows=n, waits=[(gu_done[l], len(gu))],

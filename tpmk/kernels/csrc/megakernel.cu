@@ -2,8 +2,9 @@
 // The grid holds `num_local_ranks * sms_per_rank` CTAs: CTA i runs queue
 // (i % sms_per_rank) of rank (i / sms_per_rank) with that rank's KernelArgs
 // (virtual TP: several ranks in one launch on one GPU; one process per GPU: 1 rank).
-// Per CTA: fetch instruction (prefetch the next), wait on its counters, run the
-// op, signal. Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
+// Per CTA: fetch instruction i + 2 into a 3-slot ring, ask L2 for the weights of
+// instruction i + 1 (they never depend on activations: they stream while this SM
+// waits and computes), wait on instruction i's counters, run the op, signal. Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
 #include "mk_common.cuh"
 #include "mk_sync.cuh"
 #include "ops/embed.cuh"
@@ -21,7 +22,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
   extern __shared__ float smem[];
   __shared__ KernelArgs sa;
-  __shared__ int sins[2][isa::INSTR_WORDS];
+  __shared__ int sins[3][isa::INSTR_WORDS];
   __shared__ int go;
   const int local_rank = blockIdx.x / sms_per_rank, sm = blockIdx.x % sms_per_rank;
   {
@@ -37,16 +38,21 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
   const int i0 = reinterpret_cast<const int*>(a.queue_start)[sm];
   const int i1 = reinterpret_cast<const int*>(a.queue_start)[sm + 1];
   unsigned long long* prof = reinterpret_cast<unsigned long long*>(a.profile);
-  if (threadIdx.x < isa::INSTR_WORDS && i0 < i1) sins[0][threadIdx.x] = instr[i0 * isa::INSTR_WORDS + threadIdx.x];
+  if (threadIdx.x < 2 * isa::INSTR_WORDS && i0 + threadIdx.x / isa::INSTR_WORDS < i1)
+    sins[threadIdx.x / isa::INSTR_WORDS][threadIdx.x % isa::INSTR_WORDS] =
+        instr[i0 * isa::INSTR_WORDS + threadIdx.x];   // instructions i0, i0 + 1
   for (int i = i0; i < i1; i++) {
-    __syncthreads();  // sins[cur] filled; everyone is done with sins[cur ^ 1]
-    const int cur = (i - i0) & 1;
+    __syncthreads();  // sins[i % 3] and [(i + 1) % 3] filled; nobody reads [(i + 2) % 3]
+    const int cur = (i - i0) % 3;
     const int* ins = sins[cur];
-    if (threadIdx.x < isa::INSTR_WORDS && i + 1 < i1)
-      sins[cur ^ 1][threadIdx.x] = instr[(i + 1) * isa::INSTR_WORDS + threadIdx.x];
+    if (threadIdx.x < isa::INSTR_WORDS && i + 2 < i1)
+      sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
     if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
     if (threadIdx.x == 0) {
+      // This instruction's weights again (cheap when the lookahead already brought them
+      // into L2; needed for the first instruction), then the next instruction's.
       prefetch_instruction(a, ins, hdr);
+      if (i + 1 < i1) prefetch_instruction(a, sins[(cur + 1) % 3], hdr);
       go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
       if (prof) prof[2 * i] = globaltimer();
     }

@@ -14,7 +14,6 @@ constexpr int NTHREADS = 512;
 constexpr int NWARPS = NTHREADS / 32;
 constexpr int VEC = 16 / sizeof(wtype);   // elements per 16-byte load
 constexpr int BATCH_CHUNK = 4;            // batch rows per matvec pass (inputs in smem)
-constexpr int UNROLL = 2;                 // x MV_ROWS 16-byte weight loads in flight per lane
 
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -89,26 +88,41 @@ struct XSrc {
 
 // Split weights of the attention merge: coef[(b * Hq + h) * S + s] = e^(m_s - M) / sum_s' e^(m_s' - M) l_s'
 // for rows b0 + b, b < nb (part: [bucket, Hq, S, D + 2] = acc[D], m, l per split).
+// One warp per (row, head), one lane per split (S <= 32: host-checked); a warp's loads for
+// MERGE_PAIRS pairs are issued together (one round trip at batch 1).
+constexpr int MERGE_PAIRS = 4;
 __device__ void merge_coefs(const KernelArgs& a, const float* part, int b0, int nb, float* coef) {
-  const int D = a.head_dim, S = a.num_splits;
-  for (int i = threadIdx.x; i < nb * a.q_heads; i += NTHREADS) {
-    const float* p = part + ((size_t)b0 * a.q_heads + i) * S * (D + 2);
-    float M = isa::NEG_INF;
-    for (int s = 0; s < S; s++) M = fmaxf(M, ld_act(p + s * (D + 2) + D));
-    float den = 0.f;
-    for (int s = 0; s < S; s++) den += expf(ld_act(p + s * (D + 2) + D) - M) * ld_act(p + s * (D + 2) + D + 1);
-    const float inv = 1.f / den;
-    for (int s = 0; s < S; s++) coef[i * S + s] = expf(ld_act(p + s * (D + 2) + D) - M) * inv;
+  const int D = a.head_dim, S = a.num_splits, lane = threadIdx.x & 31, n = nb * a.q_heads;
+  for (int i0 = threadIdx.x >> 5; i0 < n; i0 += NWARPS * MERGE_PAIRS) {
+    float m[MERGE_PAIRS], l[MERGE_PAIRS];
+#pragma unroll
+    for (int j = 0; j < MERGE_PAIRS; j++) {
+      const int i = i0 + j * NWARPS;
+      const float* p = part + (((size_t)b0 * a.q_heads + i) * S + lane) * (D + 2) + D;
+      const bool ok = i < n && lane < S;
+      m[j] = ok ? ld_act(p) : isa::NEG_INF;
+      l[j] = ok ? ld_act(p + 1) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < MERGE_PAIRS; j++) {
+      const int i = i0 + j * NWARPS;
+      const float M = warp_max(m[j]);   // every lane shuffles
+      const float e = lane < S ? expf(m[j] - M) : 0.f;
+      const float inv = 1.f / warp_sum(e * l[j]);
+      if (i < n && lane < S) coef[i * S + lane] = e * inv;
+    }
   }
 }
 
 // Merged attention output of row b0 + b, k..k+3 (one head: D % 4 == 0): sum_s coef_s acc_s[d].
+// All splits' loads are issued before the sum (S <= 32).
 __device__ __forceinline__ float4 merged4(const KernelArgs& a, const float* part, const float* coef,
                                           int b0, int b, int k) {
   const int D = a.head_dim, S = a.num_splits, h = k / D, d = k % D;
   const float* p = part + (((size_t)(b0 + b) * a.q_heads + h) * S) * (D + 2) + d;
   const float* c = coef + (b * a.q_heads + h) * S;
   float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
   for (int s = 0; s < S; s++) {
     const float2 u = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2)));
     const float2 v = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2) + 2));
@@ -118,98 +132,74 @@ __device__ __forceinline__ float4 merged4(const KernelArgs& a, const float* part
   return r;
 }
 
-// Raw input x[b0 + b][k..k+3] (before the norm weight); K and ldx are multiples of 8.
-// o_proj (s.part): coef from merge_coefs for the same b0.
-__device__ __forceinline__ float4 xin_load4(const KernelArgs& a, const XSrc& s, const float* coef,
-                                            int b0, int b, int k) {
-  if (!s.part) return __ldcg(reinterpret_cast<const float4*>(s.x + (size_t)(b0 + b) * s.ldx + k));
-  return merged4(a, s.part, coef, b0, b, k);
-}
-
 // xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K.
+// Latency-bound at batch 1: every load is a 16-byte vector and all of a thread's
+// loads of a pass are issued before any is used (K, ldx multiples of 8: host-checked).
+constexpr int NORM_VPT = 4;   // float4 of x per thread per pass (K <= 8192 in one pass)
 __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0, int nb, int K,
                             const wtype* w, float* xs, float* red) {
   float ss[BATCH_CHUNK] = {0.f, 0.f, 0.f, 0.f};
-  for (int b = 0; b < nb; b++) {   // 16-byte loads (K, ldx multiples of 8: checked on the host)
+  const int K4 = K / 4;
+  for (int b = 0; b < nb; b++) {
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(b0 + b) * ldx);
     float4* xo = reinterpret_cast<float4*>(xs + b * K);
-#pragma unroll 4
-    for (int k = threadIdx.x; k < K / 4; k += NTHREADS) {
-      const float4 v = __ldcg(xr + k);
-      xo[k] = v;
-      ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    for (int k0 = threadIdx.x; k0 < K4; k0 += NORM_VPT * NTHREADS) {
+      float4 v[NORM_VPT];
+#pragma unroll
+      for (int j = 0; j < NORM_VPT; j++)
+        v[j] = k0 + j * NTHREADS < K4 ? __ldcg(xr + k0 + j * NTHREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < NORM_VPT; j++) {
+        if (k0 + j * NTHREADS < K4) xo[k0 + j * NTHREADS] = v[j];
+        ss[b] += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+      }
     }
   }
   if (w == nullptr) { __syncthreads(); return; }
+  // Norm weights (16 bytes = 8 per load): the first pass's loads overlap the block reduction.
+  float f[2][8];
+  auto load_w = [&](int k0) {
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      const int k = k0 + j * NTHREADS;
+      if constexpr (sizeof(wtype) == 2) {
+        unpack(k < K / 8 ? __ldg(reinterpret_cast<const uint4*>(w) + k) : make_uint4(0, 0, 0, 0), f[j]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; e++) f[j][e] = k < K / 8 ? to_f(w[8 * k + e]) : 0.f;
+      }
+    }
+  };
+  load_w(threadIdx.x);
   block_sum(ss, nb, red);
-  for (int b = 0; b < nb; b++) {
-    float r = rsqrtf(ss[b] / K + a.eps);
-    for (int k = threadIdx.x; k < K; k += NTHREADS) xs[b * K + k] *= r * to_f(w[k]);
+  float r[BATCH_CHUNK];
+  for (int b = 0; b < nb; b++) r[b] = rsqrtf(ss[b] / K + a.eps);
+  for (int k0 = threadIdx.x; k0 < K / 8; k0 += 2 * NTHREADS) {
+    if (k0 != (int)threadIdx.x) load_w(k0);
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      const int k = k0 + j * NTHREADS;
+      if (k >= K / 8) continue;
+      for (int b = 0; b < nb; b++) {
+        float4* p = reinterpret_cast<float4*>(xs + b * K + 8 * k);
+        float4 lo = p[0], hi = p[1];
+        lo.x *= r[b] * f[j][0]; lo.y *= r[b] * f[j][1]; lo.z *= r[b] * f[j][2]; lo.w *= r[b] * f[j][3];
+        hi.x *= r[b] * f[j][4]; hi.y *= r[b] * f[j][5]; hi.z *= r[b] * f[j][6]; hi.w *= r[b] * f[j][7];
+        p[0] = lo; p[1] = hi;
+      }
+    }
   }
   __syncthreads();
 }
 
-// For each local row r < nrows: out(r, b, sum_k W[row(r)][k] * xs[b][k]).
+// For each local row r < nrows: out(r, b, sum_k W[row(r)][k] * xs[b][k]), b < NB.
 // A warp takes MV_ROWS rows at once so each shared-memory read of xs feeds
-// MV_ROWS * VEC FMAs (smem bandwidth, not HBM, was the limit with one row).
+// MV_ROWS * VEC FMAs (smem bandwidth, not HBM, was the limit with one row). With few
+// rows (at most NWARPS / 2 row groups) warps also split K, so every warp streams
+// weights; the K-slice partials are summed in fixed order (deterministic).
+// Each lane keeps MV_ROWS * U 16-byte weight loads in flight.
+// Called by every thread of the block (contains __syncthreads when K is split).
 constexpr int MV_ROWS = 4;
-template <int NB, typename RowFn, typename OutFn>
-__device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int r0 = warp * MV_ROWS; r0 < nrows; r0 += NWARPS * MV_ROWS) {
-    const wtype* wr[MV_ROWS];
-#pragma unroll
-    for (int j = 0; j < MV_ROWS; j++) wr[j] = row(min(r0 + j, nrows - 1));
-    float acc[MV_ROWS][NB];
-#pragma unroll
-    for (int j = 0; j < MV_ROWS; j++)
-#pragma unroll
-      for (int b = 0; b < NB; b++) acc[j][b] = 0.f;
-    for (int k0 = lane * VEC; k0 < K; k0 += 32 * VEC * UNROLL) {
-      uint4 u[UNROLL][MV_ROWS];
-#pragma unroll
-      for (int i = 0; i < UNROLL; i++) {
-        const int k = k0 + i * 32 * VEC;
-#pragma unroll
-        for (int j = 0; j < MV_ROWS; j++)
-          u[i][j] = k < K ? __ldg(reinterpret_cast<const uint4*>(wr[j] + k)) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int i = 0; i < UNROLL; i++) {
-        const int k = k0 + i * 32 * VEC;
-        if (k < K) {
-#pragma unroll
-          for (int b = 0; b < NB; b++) {
-            float xv[VEC];
-            const float4* xb = reinterpret_cast<const float4*>(xs + b * K + k);
-#pragma unroll
-            for (int v = 0; v < VEC / 4; v++) {
-              const float4 t = xb[v];
-              xv[4 * v] = t.x; xv[4 * v + 1] = t.y; xv[4 * v + 2] = t.z; xv[4 * v + 3] = t.w;
-            }
-#pragma unroll
-            for (int j = 0; j < MV_ROWS; j++) {
-              float f[VEC];
-              unpack(u[i][j], f);
-#pragma unroll
-              for (int e = 0; e < VEC; e++) acc[j][b] += f[e] * xv[e];
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < MV_ROWS; j++)
-#pragma unroll
-      for (int b = 0; b < NB; b++) acc[j][b] = warp_sum(acc[j][b]);
-    if (lane == 0)
-#pragma unroll
-      for (int j = 0; j < MV_ROWS; j++)
-        if (r0 + j < nrows)
-#pragma unroll
-          for (int b = 0; b < NB; b++) out(r0 + j, b, acc[j][b]);
-  }
-}
 
 // One block-wide scratch for the split-K partials (a static __shared__ inside the
 // template would be duplicated per instantiation).
@@ -218,20 +208,17 @@ __device__ __forceinline__ float* matvec_scratch() {
   return part;
 }
 
-// Few rows (at most NWARPS / 2 row groups): warps also split K, so every warp streams
-// weights; the K-slice partials are summed in fixed order (deterministic).
-// Called by every thread of the block (contains __syncthreads).
 template <int NB, typename RowFn, typename OutFn>
-__device__ void matvec_splitk_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
-  float* part = matvec_scratch();   // [NWARPS][MV_ROWS][BATCH_CHUNK]
+__device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
+  constexpr int U = NB == 1 ? 4 : 2, STEP = 32 * VEC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int groups = (nrows + MV_ROWS - 1) / MV_ROWS;
   int ks = 1;
   while (ks * 2 * groups <= NWARPS) ks *= 2;
-  constexpr int STEP = 32 * VEC;
   const int kslice = (K + ks * STEP - 1) / (ks * STEP) * STEP;
-  const int grp = warp / ks, kp = warp % ks;
-  if (grp < groups) {
+  const int kbeg = warp % ks * kslice, kend = min(K, kbeg + kslice);
+  float* part = matvec_scratch();   // [NWARPS][MV_ROWS][BATCH_CHUNK] when ks > 1
+  for (int grp = warp / ks; grp < groups; grp += NWARPS / ks) {
     const int r0 = grp * MV_ROWS;
     const wtype* wr[MV_ROWS];
 #pragma unroll
@@ -241,18 +228,17 @@ __device__ void matvec_splitk_nb(int K, const float* xs, int nrows, RowFn row, O
     for (int j = 0; j < MV_ROWS; j++)
 #pragma unroll
       for (int b = 0; b < NB; b++) acc[j][b] = 0.f;
-    const int kend = min(K, (kp + 1) * kslice);
-    for (int k0 = kp * kslice + lane * VEC; k0 < kend; k0 += STEP * UNROLL) {
-      uint4 u[UNROLL][MV_ROWS];
+    for (int k0 = kbeg + lane * VEC; k0 < kend; k0 += STEP * U) {
+      uint4 u[U][MV_ROWS];
 #pragma unroll
-      for (int i = 0; i < UNROLL; i++) {
+      for (int i = 0; i < U; i++) {
         const int k = k0 + i * STEP;
 #pragma unroll
         for (int j = 0; j < MV_ROWS; j++)
           u[i][j] = k < kend ? __ldg(reinterpret_cast<const uint4*>(wr[j] + k)) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int i = 0; i < UNROLL; i++) {
+      for (int i = 0; i < U; i++) {
         const int k = k0 + i * STEP;
         if (k < kend) {
 #pragma unroll
@@ -280,9 +266,13 @@ __device__ void matvec_splitk_nb(int K, const float* xs, int nrows, RowFn row, O
 #pragma unroll
       for (int b = 0; b < NB; b++) {
         const float t = warp_sum(acc[j][b]);
-        if (lane == 0) part[(warp * MV_ROWS + j) * BATCH_CHUNK + b] = t;
+        if (lane == 0) {
+          if (ks > 1) part[(warp * MV_ROWS + j) * BATCH_CHUNK + b] = t;
+          else if (r0 + j < nrows) out(r0 + j, b, t);
+        }
       }
   }
+  if (ks == 1) return;   // block-uniform
   __syncthreads();
   for (int i = threadIdx.x; i < nrows * NB; i += NTHREADS) {
     const int r = i / NB, b = i % NB, g = r / MV_ROWS, j = r % MV_ROWS;
@@ -295,13 +285,6 @@ __device__ void matvec_splitk_nb(int K, const float* xs, int nrows, RowFn row, O
 
 template <typename RowFn, typename OutFn>
 __device__ void matvec(int K, const float* xs, int nb, int nrows, RowFn row, OutFn out) {
-  if ((nrows + MV_ROWS - 1) / MV_ROWS * 2 <= NWARPS) {
-    if (nb == 1) matvec_splitk_nb<1>(K, xs, nrows, row, out);
-    else if (nb == 2) matvec_splitk_nb<2>(K, xs, nrows, row, out);
-    else if (nb == 3) matvec_splitk_nb<3>(K, xs, nrows, row, out);
-    else matvec_splitk_nb<4>(K, xs, nrows, row, out);
-    return;
-  }
   if (nb == 1) matvec_nb<1>(K, xs, nrows, row, out);
   else if (nb == 2) matvec_nb<2>(K, xs, nrows, row, out);
   else if (nb == 3) matvec_nb<3>(K, xs, nrows, row, out);

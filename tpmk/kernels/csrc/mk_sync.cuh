@@ -1,9 +1,11 @@
 // Dependency counters: monotonic u32 counters, one per 128-byte line.
-// Producer: every thread's stores, __syncthreads(), then thread 0 does
-// fence.acq_rel.sys and red.release.sys.add on each target counter: the
-// barrier orders the CTA's stores before thread 0's fence, and the release
-// add publishes them to whoever acquires the counter (the consumer CTA, on
-// this GPU or a peer). Consumer: thread 0 spins with ld.acquire.sys until
+// Producer: every thread's stores, __syncthreads(), then thread 0 does ONE
+// fence.acq_rel and a relaxed red.add on each target counter: the barrier
+// orders the CTA's stores before thread 0's fence, and fence + relaxed add
+// form a release pattern that publishes them to whoever acquires the counter
+// (the consumer CTA, on this GPU or a peer). One fence for all tp counters:
+// a red.release per peer would fence tp times.
+// Consumer: thread 0 spins with ld.acquire until
 // counter - epoch * count >= 0 (wrap-safe), then __syncthreads().
 // Every spin is bounded by a.timeout_ns (globaltimer); a timeout writes the
 // error block (first writer wins) and every CTA then leaves its loop.
@@ -24,8 +26,8 @@ __device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
   return v;
 }
 
-__device__ __forceinline__ void red_release_sys(unsigned* p, unsigned v) {
-  asm volatile("red.release." MK_SCOPE ".global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void red_relaxed(unsigned* p, unsigned v) {
+  asm volatile("red.relaxed." MK_SCOPE ".global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void fence_acq_rel_sys() {
@@ -81,8 +83,8 @@ __device__ void signal_counter(const KernelArgs& a, const int* ins) {
   const size_t off = (size_t)cid * isa::COUNTER_STRIDE;
   if (ins[isa::F_SIGNAL_PEERS]) {
     for (int p = 0; p < a.tp; p++)
-      red_release_sys(reinterpret_cast<unsigned*>(a.peer_counters[p]) + off, 1u);
+      red_relaxed(reinterpret_cast<unsigned*>(a.peer_counters[p]) + off, 1u);
   } else {
-    red_release_sys(reinterpret_cast<unsigned*>(a.counters) + off, 1u);
+    red_relaxed(reinterpret_cast<unsigned*>(a.counters) + off, 1u);
   }
 }

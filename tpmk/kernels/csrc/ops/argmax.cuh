@@ -3,7 +3,7 @@
 #pragma once
 #include "mk_common.cuh"
 
-__device__ void op_argmax(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
+__device__ __noinline__ void op_argmax(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], nc = a.tp * a.n_lm_tiles;
   const float* cand = reinterpret_cast<const float*>(a.peer_cand[a.rank]);
   int* out = reinterpret_cast<int*>(a.tokens_out);

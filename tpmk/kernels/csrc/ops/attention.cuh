@@ -1,27 +1,42 @@
 // attention: must match tpmk/kernels/ops/attention.py (Attention). One (sequence ARG0,
 // kv head ROW0, split ARG1): online softmax over the split's tokens in chunks, for the
 // G = Hq / Hkv query heads of the group; writes attn_part[b, h, split] = (acc[D], m, l).
+//
+// Decode attention is latency-bound, so each chunk costs one round trip to memory:
+// thread (token slot tq, dim octet li) computes its tokens' cache offsets from the page
+// table, then issues the 16-byte K AND V loads of all its tokens at once. Scores: dot
+// over the octet, summed across the D/8 lanes of the token. V: per-thread partials for a
+// group of up to ATTN_HG heads, summed over the tokens of a warp by shuffles and over
+// warps in fixed order through shared memory (deterministic).
+// Head dims: D = 8 * 2^j <= 256 (checked on the host), so D/8 lanes tile a warp.
 #pragma once
 #include "mk_common.cuh"
 
-constexpr int ATTN_CHUNK = 64;   // tokens scored per pass
-constexpr int MAX_HEAD_DIM = 256;
-constexpr int ATTN_MAX_GROUP = 16;  // query heads per kv head on the fast path
+constexpr int ATTN_CHUNK = 64;    // tokens per pass
+constexpr int ATTN_HG = 8;        // query heads per V accumulation group
+constexpr int ATTN_NLD = ATTN_CHUNK * 32 / NTHREADS;   // max tokens per thread per chunk (D = 256)
 
-__device__ __forceinline__ float ld_kv(const wtype* p) {
-#ifndef MK_FLOAT32
-  return __bfloat162float(__ldcg(p));
-#else
-  return __ldcg(p);
-#endif
+// 8 consecutive cache elements (16 bytes in bf16, 32 in f32), loaded through L2.
+struct Oct { uint4 u[sizeof(wtype) / 2]; };
+__device__ __forceinline__ Oct ld_oct(const wtype* p) {
+  Oct o;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(wtype) / 2); i++) o.u[i] = __ldcg(reinterpret_cast<const uint4*>(p) + i);
+  return o;
+}
+__device__ __forceinline__ void unpack_oct(const Oct& o, float* f) {
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(wtype) / 2); i++) unpack(o.u[i], f + i * VEC);
 }
 
-__device__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
+__device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], b = ins[isa::F_ARG0];
   if (b >= batch) return;
   const int l = ins[isa::F_LAYER], g = ins[isa::F_ROW0], split = ins[isa::F_ARG1];
   const int D = a.head_dim, G = a.q_heads / a.kv_heads, ps = a.page_size, S = a.num_splits;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int LT = D / 8, TPB = NTHREADS / LT;           // lanes per token row, tokens per block load
+  const int li = threadIdx.x % LT, tq = threadIdx.x / LT;
   const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
   const int* pages = pos + a.bucket + b * a.max_pages;
   const int ctx = pos[b] + 1, per = (ctx + S - 1) / S;
@@ -30,6 +45,26 @@ __device__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr
   float* acc = qs + G * D;                   // [G, D]
   float* sc = acc + G * D;                   // [G, ATTN_CHUNK] scores, then probabilities
   float* st = sc + G * ATTN_CHUNK;           // m[G], l[G], alpha[G]
+  float* vpart = st + ((3 * G + 3) & ~3);    // [NWARPS, ATTN_HG, D] per-warp V partials
+  const size_t head_stride = (size_t)ps * D, page_stride = (size_t)a.kv_heads * head_stride;
+  const wtype* kbase = reinterpret_cast<const wtype*>(a.k_cache) +
+                       (size_t)l * a.num_pages * page_stride + g * head_stride + 8 * li;
+  const wtype* vbase = reinterpret_cast<const wtype*>(a.v_cache) +
+                       (size_t)l * a.num_pages * page_stride + g * head_stride + 8 * li;
+  Oct kv[ATTN_NLD], vv[ATTN_NLD];
+  auto issue = [&](int c0, int cn) {   // this thread's K and V octets of chunk [c0, c0 + cn)
+#pragma unroll
+    for (int j = 0; j < ATTN_NLD; j++) {
+      const int t = tq + j * TPB;
+      if (t < cn) {
+        const int tok = c0 + t;
+        const size_t off = (size_t)__ldg(pages + tok / ps) * page_stride + (size_t)(tok % ps) * D;
+        kv[j] = ld_oct(kbase + off);
+        vv[j] = ld_oct(vbase + off);
+      }
+    }
+  };
+  if (t0 < t1) issue(t0, min(ATTN_CHUNK, t1 - t0));
   const float* q = reinterpret_cast<const float*>(a.q) + ((size_t)b * a.q_heads + g * G) * D;
   for (int i = threadIdx.x; i < G * D; i += NTHREADS) {
     qs[i] = ld_act(q + i) * a.attn_scale;
@@ -37,38 +72,23 @@ __device__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr
   }
   for (int h = threadIdx.x; h < G; h += NTHREADS) { st[h] = isa::NEG_INF; st[G + h] = 0.f; }
   __syncthreads();
-  auto row = [&](unsigned long long cache, int t) {
-    const int page = pages[t / ps];
-    return reinterpret_cast<const wtype*>(cache) +
-           ((((size_t)l * a.num_pages + page) * a.kv_heads + g) * ps + t % ps) * D;
-  };
-  // Fast path: row offsets of the chunk's tokens in smem (no page-table load on the hot path);
-  // V: thread (d, token group) keeps G accumulators, reduced over groups in fixed order.
-  // Other shapes (NTHREADS % D != 0 or G > ATTN_MAX_GROUP) take the plain loops.
-  long long* off = reinterpret_cast<long long*>(st + ((3 * G + 1) & ~1));
-  float* vpart = reinterpret_cast<float*>(off + ATTN_CHUNK);          // [NTHREADS / D, G, D]
-  const bool fast = (NTHREADS % D == 0) && G <= ATTN_MAX_GROUP;
   for (int c0 = t0; c0 < t1; c0 += ATTN_CHUNK) {
     const int cn = min(ATTN_CHUNK, t1 - c0);
-    if (fast) {
-      for (int t = threadIdx.x; t < cn; t += NTHREADS) {
-        const int tok = c0 + t;
-        off[t] = ((((long long)l * a.num_pages + pages[tok / ps]) * a.kv_heads + g) * ps + tok % ps) * D;
-      }
-      __syncthreads();
-    }
-    for (int t = warp; t < cn; t += NWARPS) {
-      const wtype* k = fast ? reinterpret_cast<const wtype*>(a.k_cache) + off[t] : row(a.k_cache, c0 + t);
-      float kr[MAX_HEAD_DIM / 32];
+    if (c0 != t0) issue(c0, cn);
+    // Scores: sum over the token's LT lanes (xor offsets < LT stay inside the token's lanes).
+    for (int h = 0; h < G; h++) {
+      const float4 q0 = *reinterpret_cast<const float4*>(qs + h * D + 8 * li);
+      const float4 q1 = *reinterpret_cast<const float4*>(qs + h * D + 8 * li + 4);
 #pragma unroll
-      for (int j = 0; j < MAX_HEAD_DIM / 32; j++) kr[j] = (lane + 32 * j < D) ? ld_kv(k + lane + 32 * j) : 0.f;
-      for (int h = 0; h < G; h++) {
-        float s = 0.f;
-#pragma unroll
-        for (int j = 0; j < MAX_HEAD_DIM / 32; j++)
-          if (lane + 32 * j < D) s += qs[h * D + lane + 32 * j] * kr[j];
-        s = warp_sum(s);
-        if (lane == 0) sc[h * ATTN_CHUNK + t] = s;
+      for (int j = 0; j < ATTN_NLD; j++) {
+        if (j * TPB >= cn) break;   // block-uniform
+        float f[8];
+        unpack_oct(kv[j], f);
+        float s = q0.x * f[0] + q0.y * f[1] + q0.z * f[2] + q0.w * f[3] +
+                  q1.x * f[4] + q1.y * f[5] + q1.z * f[6] + q1.w * f[7];
+        for (int o = 1; o < LT; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const int t = tq + j * TPB;
+        if (li == 0 && t < cn) sc[h * ATTN_CHUNK + t] = s;
       }
     }
     __syncthreads();
@@ -93,39 +113,51 @@ __device__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr
       }
     }
     __syncthreads();
-    if (fast) {
-      const int nt = NTHREADS / D, d = threadIdx.x % D, tg = threadIdx.x / D;
-      const wtype* vb = reinterpret_cast<const wtype*>(a.v_cache) + d;
-      float av[ATTN_MAX_GROUP];
+    for (int h0 = 0; h0 < G; h0 += ATTN_HG) {
+      const int hn = min(ATTN_HG, G - h0);
+      float av[ATTN_HG][8];
 #pragma unroll
-      for (int h = 0; h < ATTN_MAX_GROUP; h++) av[h] = 0.f;
-#pragma unroll 4
-      for (int t = tg; t < cn; t += nt) {
-        const float v = ld_kv(vb + off[t]);
+      for (int h = 0; h < ATTN_HG; h++)
 #pragma unroll
-        for (int h = 0; h < ATTN_MAX_GROUP; h++)
-          if (h < G) av[h] += sc[h * ATTN_CHUNK + t] * v;
+        for (int e = 0; e < 8; e++) av[h][e] = 0.f;
+#pragma unroll
+      for (int j = 0; j < ATTN_NLD; j++) {
+        const int t = tq + j * TPB;
+        if (j * TPB >= cn) break;
+        if (t >= cn) continue;
+        float f[8];
+        unpack_oct(vv[j], f);
+#pragma unroll
+        for (int h = 0; h < ATTN_HG; h++) {
+          if (h >= hn) break;
+          const float p = sc[(h0 + h) * ATTN_CHUNK + t];
+#pragma unroll
+          for (int e = 0; e < 8; e++) av[h][e] += p * f[e];
+        }
       }
+      // Tokens of one warp: lanes li, li + LT, ... hold the same dims.
+      for (int o = LT; o < 32; o <<= 1)
 #pragma unroll
-      for (int h = 0; h < ATTN_MAX_GROUP; h++)
-        if (h < G) vpart[(tg * G + h) * D + d] = av[h];
+        for (int h = 0; h < ATTN_HG; h++)
+#pragma unroll
+          for (int e = 0; e < 8; e++) av[h][e] += __shfl_xor_sync(0xffffffffu, av[h][e], o);
+      if (lane < LT)
+#pragma unroll
+        for (int h = 0; h < ATTN_HG; h++) {
+          if (h >= hn) break;
+          float4* vp = reinterpret_cast<float4*>(vpart + (warp * ATTN_HG + h) * D + 8 * li);
+          vp[0] = make_float4(av[h][0], av[h][1], av[h][2], av[h][3]);
+          vp[1] = make_float4(av[h][4], av[h][5], av[h][6], av[h][7]);
+        }
       __syncthreads();
-      for (int i = threadIdx.x; i < G * D; i += NTHREADS) {
-        const int h = i / D, dd = i % D;
-        float s = acc[i] * st[2 * G + h];
-        for (int q2 = 0; q2 < nt; q2++) s += vpart[(q2 * G + h) * D + dd];
-        acc[i] = s;
+      for (int i = threadIdx.x; i < hn * D; i += NTHREADS) {
+        const int h = i / D, d = i % D;
+        float s = acc[(h0 + h) * D + d] * st[2 * G + h0 + h];
+        for (int w = 0; w < NWARPS; w++) s += vpart[(w * ATTN_HG + h) * D + d];
+        acc[(h0 + h) * D + d] = s;
       }
       __syncthreads();
-      continue;
     }
-    for (int i = threadIdx.x; i < G * D; i += NTHREADS) {
-      const int h = i / D, d = i % D;
-      float s = acc[i] * st[2 * G + h];
-      for (int t = 0; t < cn; t++) s += sc[h * ATTN_CHUNK + t] * ld_kv(row(a.v_cache, c0 + t) + d);
-      acc[i] = s;
-    }
-    __syncthreads();
   }
   float* part = reinterpret_cast<float*>(a.attn_part);
   for (int i = threadIdx.x; i < G * (D + 2); i += NTHREADS) {

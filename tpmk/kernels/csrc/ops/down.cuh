@@ -3,7 +3,7 @@
 #pragma once
 #include "mk_linear.cuh"
 
-__device__ void op_down(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
+__device__ __noinline__ void op_down(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], l = ins[isa::F_LAYER], c0 = ins[isa::F_ROW0];
   const int n = ins[isa::F_NROWS], I = a.inter;
   const wtype* W = reinterpret_cast<const wtype*>(a.down) + (size_t)l * a.hidden * I + (size_t)c0 * I;
