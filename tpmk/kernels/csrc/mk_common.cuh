@@ -115,14 +115,16 @@ __device__ void merge_coefs(const KernelArgs& a, const float* part, int b0, int 
 }
 
 // Merged attention output of row b0 + b, k..k+3 (one head: D % 4 == 0): sum_s coef_s acc_s[d].
-// All splits' loads are issued before the sum (S <= 32).
+// UNR splits' loads are issued together (16: one round trip at batch 1; the tensor-core
+// path, which calls this 16 times per thread per chunk, keeps its code small with 4).
+template <int UNR>
 __device__ __forceinline__ float4 merged4(const KernelArgs& a, const float* part, const float* coef,
                                           int b0, int b, int k) {
   const int D = a.head_dim, S = a.num_splits, h = k / D, d = k % D;
   const float* p = part + (((size_t)(b0 + b) * a.q_heads + h) * S) * (D + 2) + d;
   const float* c = coef + (b * a.q_heads + h) * S;
   float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
+#pragma unroll UNR
   for (int s = 0; s < S; s++) {
     const float2 u = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2)));
     const float2 v = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2) + 2));

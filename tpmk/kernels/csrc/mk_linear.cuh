@@ -23,7 +23,7 @@ __device__ void load_x(const KernelArgs& a, const XSrc& src, int b0, int nb, int
   __syncthreads();
   for (int i = threadIdx.x; i < nb * K / 4; i += NTHREADS) {
     const int b = i / (K / 4), k = i % (K / 4) * 4;
-    *reinterpret_cast<float4*>(xs + b * K + k) = merged4(a, src.part, coef, b0, b, k);
+    *reinterpret_cast<float4*>(xs + b * K + k) = merged4<16>(a, src.part, coef, b0, b, k);
   }
   __syncthreads();
 }
@@ -31,7 +31,7 @@ __device__ void load_x(const KernelArgs& a, const XSrc& src, int b0, int nb, int
 // Returns outs [nb][nrows]: outs[b * nrows + r] = W[row(r)] . xin(b0 + b) for b < nb <=
 // linear_chunk(batch, nrows). Ends with __syncthreads(): outs is readable by every thread
 // (and writable until the caller's next __syncthreads()).
-__device__ float* linear(const KernelArgs& a, int batch, int K, int b0, int nb, int nrows,
+__device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int b0, int nb, int nrows,
                          const XSrc& src, const RowMap& row, float* smem) {
   float* red = smem;
   float* base = smem + NWARPS * BATCH_CHUNK;

@@ -87,7 +87,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
           v[q] = ok ? __ldcg(reinterpret_cast<const float4*>(src.x + (size_t)(b0 + b) * src.ldx + k))
                     : make_float4(0.f, 0.f, 0.f, 0.f);
           wv[q] = ok && src.nw ? __ldg(reinterpret_cast<const uint2*>(src.nw + k)) : make_uint2(0, 0);
-          if (src.part && b < nb && k < K) v[q] = merged4(a, src.part, coef, b0, b, k);   // o_proj
+          if (src.part && b < nb && k < K) v[q] = merged4<4>(a, src.part, coef, b0, b, k);   // o_proj
         }
 #pragma unroll
         for (int q = 0; q < FG; q++) {
