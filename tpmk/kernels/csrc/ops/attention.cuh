@@ -13,7 +13,7 @@
 #include "mk_common.cuh"
 
 constexpr int ATTN_CHUNK = 64;    // tokens per pass
-constexpr int ATTN_HG = 8;        // query heads per V accumulation group
+constexpr int ATTN_HG = 4;        // query heads per V accumulation group (registers: 8 each)
 constexpr int ATTN_NLD = ATTN_CHUNK * 32 / NTHREADS;   // max tokens per thread per chunk (D = 256)
 
 // 8 consecutive cache elements (16 bytes in bf16, 32 in f32), loaded through L2.
