@@ -128,6 +128,8 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--define", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="extra megakernel macros for tuning experiments, e.g. PREFETCH_CAP=393216")
     ap.add_argument("--profile", default="", help="write a Chrome trace (per-instruction start/end) "
                     "of the first configuration's last step to this JSON file")
     args = ap.parse_args()
@@ -156,7 +158,7 @@ def main():
             t0 = time.time()
             profile = bool(args.profile) and not rows
             mk = Megakernel(cfg, sched, [w], [kc], [vc], loopback=True, timeout_s=10.0,
-                            max_pages_per_seq=per_seq, profile=profile)
+                            max_pages_per_seq=per_seq, profile=profile, defines=tuple(args.define))
             pages = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
             toks, pos = [1] * B, [ctx - 1] * B
 
@@ -184,7 +186,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = dev.name.replace(" ", "_")
-    res = dict(device=dev.name, copy_bw_Bps=bw, model=cfg.name, tp=args.tp,
+    res = dict(device=dev.name, copy_bw_Bps=bw, model=cfg.name, tp=args.tp, defines=args.define,
                layers=cfg.num_hidden_layers, weights_bytes=wbytes, note="one rank, peer slots looped back; baseline: torch + CUDA graph, "
                "contiguous KV, no communication", rows=rows)
     (out / f"decode_{name}.json").write_text(json.dumps(res, indent=1))

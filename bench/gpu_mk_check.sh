@@ -2,7 +2,7 @@
 # One device call: build the megakernel, then the GPU tests and compute-sanitizer (in
 # parallel: they are mostly CPU-bound), then the decode bench alone on the GPU.
 #   PYTEST_K: pytest -k filter; PYTEST_TESTS: test names of tests/test_megakernel.py, in run order;
-#   SAN_TOOLS: sanitizer tools ("" = none); BENCH, BENCH2: bench/decode.py arguments ("" = skip).
+#   SAN_TOOLS: sanitizer tools ("" = none); BENCH, BENCH2, BENCH3, BENCH4: bench/decode.py arguments ("" = skip).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"
@@ -24,7 +24,7 @@ echo "== pytest"; grep -E "passed|failed|Error|error|assert|near-tie|rel logit" 
 for tool in ${SAN_TOOLS-memcheck racecheck}; do echo "== compute-sanitizer $tool"; cat "$OUT/san_$tool.log"; done
 echo "== tests done at $(( $(date +%s) - t0 )) s"
 i=1
-for args in "${BENCH:-}" "${BENCH2:-}"; do   # results: $OUT/bench1, $OUT/bench2
+for args in "${BENCH:-}" "${BENCH2:-}" "${BENCH3:-}" "${BENCH4:-}"; do   # results: $OUT/bench1 ...
   [ -n "$args" ] && timeout ${BENCH_TIMEOUT:-200} python3 bench/decode.py $args --out "$OUT/bench$i" 2>&1 | tail -20
   i=$((i + 1))
 done

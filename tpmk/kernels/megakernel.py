@@ -33,14 +33,16 @@ def _check(res, what: str):
     return res[1] if len(res) == 2 else res[1:]
 
 
-def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a") -> bytes:
-    """NVRTC -> cubin through tpmk.kernels.build (disk cache keyed by sources, options, NVRTC)."""
+def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> bytes:
+    """NVRTC -> cubin through tpmk.kernels.build (disk cache keyed by sources, options, NVRTC).
+    `defines`: extra NAME=VALUE macros for tuning experiments (bench/decode.py --define)."""
     from tpmk.kernels.build import compile_to_cubin
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"megakernel dtype={dtype} unsupported; use bfloat16 or float32")
     opts = []
     if dtype == torch.float32:
         opts.append("-DMK_FLOAT32")
+    opts += [f"-D{d}" for d in defines]
     return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
 
 
@@ -75,7 +77,7 @@ class Megakernel:
     def __init__(self, cfg: ModelConfig, sched: Schedule, shards: list[RankWeights],
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  loopback: bool = False, timeout_s: float = 5.0, profile: bool = False,
-                 max_pages_per_seq: int = 0):
+                 max_pages_per_seq: int = 0, defines: tuple[str, ...] = ()):
         from cuda.bindings import driver as cu
         self.cu, self.cfg, self.sched = cu, cfg, sched
         n_local = len(shards)
@@ -158,7 +160,7 @@ class Megakernel:
             a.num_instructions, a.kmax, a.stop_after = len(sched.instructions), kmax, -1
             a.eps, a.attn_scale = cfg.rms_norm_eps, D ** -0.5
         self._upload_args()
-        cubin = compile_megakernel(dtype)
+        cubin = compile_megakernel(dtype, defines=defines)
         self.module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.fn = _check(cu.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
         _check(cu.cuFuncSetAttribute(

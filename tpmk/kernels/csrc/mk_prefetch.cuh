@@ -6,7 +6,10 @@
 #pragma once
 #include "mk_common.cuh"
 
-constexpr unsigned long long PREFETCH_CAP = 192 * 1024;  // bytes per instruction (132 SMs: ~25 MB of L2)
+#ifndef PREFETCH_CAP
+#define PREFETCH_CAP (192 * 1024)   // bytes per instruction (132 SMs: ~25 MB of L2)
+#endif
+constexpr unsigned long long prefetch_cap = PREFETCH_CAP;
 
 // addr and bytes multiples of 16 (rows of bf16/f32 with H, K % 8 == 0 are).
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {
@@ -24,7 +27,7 @@ __device__ void prefetch_instruction(const KernelArgs& a, const int* ins, const 
   const int op = ins[isa::F_OP], l = ins[isa::F_LAYER], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
   const size_t H = a.hidden, D = a.head_dim, I = a.inter, es = sizeof(wtype);
   const size_t hq = a.q_heads, hkv = a.kv_heads;
-  const unsigned long long half_cap = PREFETCH_CAP / 2;
+  const unsigned long long half_cap = prefetch_cap / 2;
   switch (op) {
     case isa::OP_QKV: {
       const wtype* W = reinterpret_cast<const wtype*>(a.qkv) + (size_t)l * (hq + 2 * hkv) * D * H;
@@ -44,17 +47,17 @@ __device__ void prefetch_instruction(const KernelArgs& a, const int* ins, const 
     case isa::OP_O_PROJ: {
       const size_t K = hq * D;
       const wtype* W = reinterpret_cast<const wtype*>(a.o_proj) + (size_t)l * H * K;
-      prefetch_l2(W + (size_t)r0 * K, min((unsigned long long)n * K * es, PREFETCH_CAP));
+      prefetch_l2(W + (size_t)r0 * K, min((unsigned long long)n * K * es, prefetch_cap));
       break;
     }
     case isa::OP_DOWN: {
       const wtype* W = reinterpret_cast<const wtype*>(a.down) + (size_t)l * H * I;
-      prefetch_l2(W + (size_t)r0 * I, min((unsigned long long)n * I * es, PREFETCH_CAP));
+      prefetch_l2(W + (size_t)r0 * I, min((unsigned long long)n * I * es, prefetch_cap));
       break;
     }
     case isa::OP_LM_HEAD: {
       const wtype* W = reinterpret_cast<const wtype*>(a.lm_head);
-      prefetch_l2(W + (size_t)r0 * H, min((unsigned long long)n * H * es, PREFETCH_CAP));
+      prefetch_l2(W + (size_t)r0 * H, min((unsigned long long)n * H * es, prefetch_cap));
       break;
     }
     case isa::OP_ATTENTION: {
@@ -67,7 +70,7 @@ __device__ void prefetch_instruction(const KernelArgs& a, const int* ins, const 
       const int ctx = pos[b] + 1, S = a.num_splits, per = (ctx + S - 1) / S, ps = a.page_size;
       const int t0 = min(ctx, split * per), t1 = min(ctx, t0 + per);
       const unsigned long long blk = (unsigned long long)ps * D * es;
-      unsigned long long budget = PREFETCH_CAP;
+      unsigned long long budget = prefetch_cap;
       for (int pg = t0 / ps; pg * ps < t1 && budget >= 2 * blk; pg++, budget -= 2 * blk) {
         const size_t off = (((size_t)l * a.num_pages + pages[pg]) * hkv + r0) * ps * D;
         prefetch_l2(reinterpret_cast<const wtype*>(a.k_cache) + off, blk);
