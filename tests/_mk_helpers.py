@@ -5,6 +5,8 @@ tpmk.partition.plan.shard_state_dict; it follows the RankWeights docstring.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tpmk.config import ModelConfig
@@ -87,3 +89,59 @@ def random_shards(cfg: ModelConfig, tp: int, seed: int = 0, dtype=torch.bfloat16
             o_proj=rnd(L, H, hq * D), post_norm=norm(L, H), gate_up=rnd(L, 2 * inter, H),
             down=rnd(L, H, inter)))
     return out
+
+
+def stable_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Oracle: the k largest logits of each row [B, vocab], equal values in increasing vocab
+    id (a stable descending sort; torch.topk leaves the order of equal values unspecified)."""
+    v, i = torch.sort(logits, dim=-1, descending=True, stable=True)
+    return v[:, :k], i[:, :k]
+
+
+def topk_near_ties(values: torch.Tensor, ids: torch.Tensor, ref_logits: torch.Tensor,
+                   atol: float) -> list[str]:
+    """Check a top-k (values, ids [B, k]) against the stable top-k of independent logits
+    [B, vocab]: values within atol; ids equal except where the two ids' reference logits lie
+    within atol of each other (a near-tie). Returns those near-tie cases, described."""
+    want_v, want_i = stable_topk(ref_logits, values.shape[1])
+    torch.testing.assert_close(values, want_v, atol=atol, rtol=0)
+    notes = []
+    for b, j in (ids != want_i).nonzero().tolist():
+        got, want = int(ids[b, j]), int(want_i[b, j])
+        gap = abs(float(ref_logits[b, got] - ref_logits[b, want]))
+        assert gap <= atol, (f"row {b} place {j}: id {got} != {want}, whose reference logits "
+                             f"differ by {gap:.3e} > {atol}")
+        notes.append(f"row {b} place {j}: id {got} vs {want} (reference gap {gap:.1e})")
+    return notes
+
+
+# Crafted LM head for exact ties: row id = s * e_0, every other row zero, so logit(id) =
+# s * xn[0] exactly (one nonzero product: no rounding, whatever the summation order) and
+# equal s tie bit for bit. Groups span ranks and tiles for every tp <= 8 (vocab >= 500).
+TIE_GROUPS = {3.0: [11, 200, 499], 2.0: [5, 260, 498], 1.0: [17, 70, 140, 333, 497],
+              -3.0: [12, 201, 496], -2.0: [6, 261, 495], -1.0: [18, 71, 141, 334, 494]}
+
+
+def tie_lm_head(cfg: ModelConfig) -> torch.Tensor:
+    """[vocab, H] float32 head with TIE_GROUPS."""
+    w = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+    for s, ids in TIE_GROUPS.items():
+        w[ids, 0] = s
+    return w
+
+
+def tie_topk_ids(x0: float, k: int) -> list[int]:
+    """Expected top-k ids of the tie head given the sign of xn[0]: groups by |s| descending,
+    then ids ascending inside a group (the boundary cuts the |s| = 1 group)."""
+    groups = sorted((s for s in TIE_GROUPS if (s > 0) == (x0 > 0)), key=abs, reverse=True)
+    return [i for s in groups for i in sorted(TIE_GROUPS[s])][:k]
+
+
+def with_lm_head(shards: list[RankWeights], cfg: ModelConfig, w: torch.Tensor) -> list[RankWeights]:
+    """Copies of shards whose lm_head is w [vocab, H] (vocab-sliced, pad rows zero)."""
+    tp = len(shards)
+    vp = padded_vocab(cfg, tp) // tp
+    full = torch.zeros(padded_vocab(cfg, tp), cfg.hidden_size)
+    full[:cfg.vocab_size] = w
+    return [dataclasses.replace(s, lm_head=full[s.rank * vp:(s.rank + 1) * vp].to(s.lm_head.dtype)
+                                .contiguous()) for s in shards]

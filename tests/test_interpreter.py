@@ -5,11 +5,13 @@ import random
 import pytest
 import torch
 
-from _mk_helpers import empty_caches, shards_for
+from _mk_helpers import (TIE_GROUPS, empty_caches, shards_for, stable_topk, tie_lm_head,
+                         tie_topk_ids, topk_near_ties, with_lm_head)
 from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine.api import Decode, Prefill, SamplingParams
 from tpmk.engine.interpreter_engine import InterpreterEngine
 from tpmk.kernels.interpreter import VM
+from tpmk.kernels.isa import TOPK
 from tpmk.kernels.schedule import build_schedule
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
@@ -59,12 +61,13 @@ def _vm(name, tp, bucket, num_sms, seed=0):
 
 
 def _run_prompts(vm, order, seed):
-    """Lockstep over PROMPTS[:2] (batch 2, full bucket); every step's [logits | token]."""
+    """Lockstep over PROMPTS[:2] (batch 2, full bucket); every step's [logits | token | top-k]."""
     out = []
     for pos in range(len(PROMPTS[1])):
         toks = [PROMPTS[b][pos] for b in range(2)]
         got = vm.step(toks, [pos, pos], [[0, 1, 2], [3, 4, 5]], order=order, seed=seed, poison=True)
-        out.append(torch.cat([vm.logits(), got[:, None].float()], dim=1))
+        values, ids = vm.topk()
+        out.append(torch.cat([vm.logits(), got[:, None].float(), values, ids.float()], dim=1))
     return torch.stack(out)
 
 
@@ -192,3 +195,124 @@ def test_sampled_tokens_match_sampler_on_hf_logits():
         last = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
     want = sample(last, [len(p) - 1 for p in PROMPTS], params).tolist()
     assert got == want
+
+
+def _lockstep_topk(vm, prompts):
+    """Feed the prompts in lockstep (rows drop out as they end): per step, the live rows and
+    the VM's (values, ids, logits)."""
+    for pos in range(max(map(len, prompts))):
+        live = [b for b, p in enumerate(prompts) if pos < len(p)]
+        vm.step([prompts[b][pos] for b in live], [pos] * len(live),
+                [list(range(6 * b, 6 * b + 6)) for b in live], order="queue", seed=pos)
+        yield pos, live, (*vm.topk(), vm.logits())
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["tiny", "tiny-gqa"])
+def test_topk_matches_torch_sort_of_own_and_hf_logits(name, tp):
+    """Global top-TOPK (several tiles per rank, batch 3 then fewer rows) == the stable top-k of
+    the interpreter's own full logits (bit for bit) and of HF float32 logits (near-ties only)."""
+    cfg = ModelConfig.from_name(name)
+    model, shards = shards_for(cfg, tp, seed=tp)
+    kc, vc = empty_caches(cfg, tp, num_pages=24, page_size=PAGE)
+    vm = VM(cfg, build_schedule(cfg, tp, 3, 3), shards, kc, vc)
+    assert vm.sched.n_lm_tiles >= 3
+    with torch.no_grad():
+        hf = [model(torch.tensor([p])).logits[0] for p in PROMPTS]         # [len, vocab] each
+    for pos, live, (values, ids, logits) in _lockstep_topk(vm, PROMPTS):
+        assert values.shape == (len(live), TOPK) and ids.dtype == torch.int64
+        want_v, want_i = stable_topk(logits, TOPK)
+        assert torch.equal(ids, want_i) and torch.equal(values, want_v), f"pos {pos}"
+        ties = topk_near_ties(values, ids, torch.stack([hf[b][pos] for b in live]), atol=2e-4)
+        assert not ties, f"pos {pos}: near-ties with HF (possible but unexpected here): {ties}"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["tiny", "tiny-gqa"])
+def test_topk_exact_ties_go_to_the_lowest_id(name, tp):
+    """Crafted head (TIE_GROUPS): logits tie bit for bit across ranks and tiles and the
+    TOPK boundary cuts a tie group; the order is ids ascending inside every tie, as in a
+    stable sort, and the ids follow from the sign of HF's final normed hidden[0]."""
+    cfg = ModelConfig.from_name(name)
+    model, shards = shards_for(cfg, tp, seed=tp)
+    w = tie_lm_head(cfg)
+    kc, vc = empty_caches(cfg, tp, num_pages=24, page_size=PAGE)
+    vm = VM(cfg, build_schedule(cfg, tp, 3, 3), with_lm_head(shards, cfg, w), kc, vc)
+    with torch.no_grad():
+        hidden = [model.model(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
+    for pos, live, (values, ids, logits) in _lockstep_topk(vm, PROMPTS):
+        assert torch.equal(ids, stable_topk(logits, TOPK)[1])
+        for i, b in enumerate(live):
+            x0 = float(hidden[b][pos, 0])
+            want = tie_topk_ids(x0, TOPK)
+            assert ids[i].tolist() == want, f"pos {pos} row {b}: {ids[i].tolist()} != {want}"
+            s = torch.tensor([next(s for s, g in TIE_GROUPS.items() if j in g) for j in want])
+            torch.testing.assert_close(values[i], s * x0, atol=2e-4, rtol=1e-4)
+            assert values[i, 0] == values[i, 2] and values[i, 6] == values[i, 7]  # exact ties
+
+
+def _candidate_params(n: int) -> list[SamplingParams]:
+    """Sampled rows of every kind the candidates serve (top_k 1..TOPK, top_p, temperature)."""
+    kinds = [dict(temperature=1.0, top_k=TOPK), dict(temperature=0.7, top_k=1),
+             dict(temperature=1.5, top_k=3, top_p=0.8), dict(temperature=3.0, top_k=7),
+             dict(temperature=2.0, top_k=5, top_p=0.95)]
+    return [SamplingParams(seed=100 + b, **kinds[b % len(kinds)]) for b in range(n)]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_sample_tokens_from_candidates_equals_full_logits_sampler(ties):
+    """sample_tokens on a row that is -inf but at the top-TOPK (stable top-k of the logits,
+    the oracle's candidates) == sample() on the full logits, for many seeds and positions;
+    with integer logits, ties at the top_k boundary are everywhere."""
+    from tpmk.engine.interpreter_engine import sample_tokens
+    from tpmk.engine.sampling import sample
+    g = torch.Generator().manual_seed(1)
+    B, V = 200, 300
+    logits = (torch.randint(-4, 5, (B, V), generator=g).float() if ties
+              else torch.randn(B, V, generator=g) * 2)
+    params, positions = _candidate_params(B), list(range(7, 7 + B))
+    want = sample(logits, positions, params).tolist()
+    got = sample_tokens(None, stable_topk(logits, TOPK), V, positions, params, torch.zeros(B))
+    assert got == want
+    assert len(set(got)) > 20  # really sampled
+
+
+def test_engine_samples_top_k_from_candidates_without_logits_copy():
+    """Decode steps whose sampled rows all have top_k <= TOPK never copy the full logits and
+    give the tokens the full-logits sampler gives on the engine's own logits and on HF's
+    (teacher-forced; crafted tie head, so the TOPK boundary falls inside exact ties)."""
+    from tpmk.engine.sampling import sample
+    cfg, tp = ModelConfig.from_name("tiny"), 2
+    model, shards = shards_for(cfg, tp, seed=9)
+    w = tie_lm_head(cfg)
+    free = w[:, 0] == 0                      # rows outside the tie groups: random, no ties
+    w[free] = torch.randn(int(free.sum()), cfg.hidden_size,
+                          generator=torch.Generator().manual_seed(2)) * 3e-2
+    shards = with_lm_head(shards, cfg, w)
+    rt = RuntimeConfig(tp=tp, device="cpu", dtype="float32", max_batch=4, max_seq_len=32,
+                       page_size=PAGE, num_pages=24)
+    eng = InterpreterEngine(cfg, rt, shards, prefill="stream")
+    copies = []
+    full_logits = eng.vm.logits
+    eng.vm.logits = lambda: copies.append(1) or full_logits()
+    pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+    params = _candidate_params(3)[::2] + [SamplingParams()]      # top_k 8, top_k 3 + top_p, greedy
+    toks = eng.prefill(Prefill(PROMPTS, pages, params)).tokens
+    assert not copies
+    mixed = params[:2] + [SamplingParams(temperature=1.0, seed=3)]   # top_k unset: full logits
+    with torch.no_grad():
+        hidden = [model.model(torch.tensor([p])).last_hidden_state[0, -1] for p in PROMPTS]
+    for s in range(6):
+        pos = [len(p) + s for p in PROMPTS]
+        use = params if s % 2 else mixed
+        res = eng.decode(Decode(toks, pos, pages, use, return_logits=s >= 4))
+        assert bool(copies) == (s >= 4 or use is mixed), f"step {s}: logits copied {len(copies)}"
+        copies.clear()
+        if s >= 4:
+            assert res.tokens == sample(torch.tensor(res.logits), pos, use).tolist()
+        toks = res.tokens
+    # HF oracle: decode each prompt's last token again at its own position (same KV entry)
+    res = eng.decode(Decode([p[-1] for p in PROMPTS], [len(p) - 1 for p in PROMPTS], pages, params))
+    with torch.no_grad():
+        hf_logits = torch.stack(hidden) @ w.T
+    assert res.tokens == sample(hf_logits, [len(p) - 1 for p in PROMPTS], params).tolist()

@@ -3,9 +3,11 @@ instruction stream on the same bf16 weights and bf16 KV cache, and vs HF transfo
 import pytest
 import torch
 
-from _mk_helpers import empty_caches, random_shards, shards_for
+from _mk_helpers import (empty_caches, random_shards, shards_for, stable_topk, tie_lm_head,
+                         tie_topk_ids, topk_near_ties, with_lm_head)
 from tpmk.config import ModelConfig
 from tpmk.kernels.interpreter import VM
+from tpmk.kernels.isa import TOPK
 from tpmk.kernels.schedule import build_schedule
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
@@ -97,6 +99,69 @@ def test_batched_tensor_core_matvec(name, tp, bucket, batch):
     vm, mk = _pair(cfg, tp, bucket, shards)
     worst = _compare_run(vm, mk, prompts, 3, f"{name} tp{tp} batch {batch}")
     print(f"{name} tp{tp} batch {batch}: max rel logit err {worst:.2e}")
+
+
+def _compare_topk(vm, mk, prompts, tag):
+    """Lockstep prompts on both. The megakernel's top-TOPK must equal the stable top-k of its
+    own logits bit for bit (tokens = its first ids) and the interpreter's top-TOPK up to bf16
+    near-ties (ids may swap only where the interpreter's logits of the two ids are within
+    tolerance). Returns (live rows, megakernel ids [batch, TOPK], interpreter logits) per
+    step, and the near-ties."""
+    steps, near = [], []
+    for pos in range(max(map(len, prompts))):
+        live = [b for b, p in enumerate(prompts) if pos < len(p)]
+        args = ([prompts[b][pos] for b in live], [pos] * len(live), [_pages(b) for b in live])
+        vm.step(*args)
+        toks = mk.step(*args).cpu().long()
+        values, ids = (t.cpu() for t in mk.topk())
+        want_v, want_i = stable_topk(mk.logits().cpu(), TOPK)
+        assert torch.equal(ids, want_i) and torch.equal(values, want_v), f"{tag} pos {pos}"
+        assert torch.equal(toks, ids[:, 0]), f"{tag} pos {pos}: tokens are not the top-1"
+        wl = vm.logits()
+        vi, ii = vm.topk()
+        assert torch.equal(ii, stable_topk(wl, TOPK)[1])
+        near += [f"{tag} pos {pos} {n}"
+                 for n in topk_near_ties(values, ids, wl, atol=2e-3 * float(wl.abs().max()))]
+        steps.append((live, ids, wl))
+    for n in near:
+        print("top-k near-tie (megakernel vs interpreter):", n)
+    return steps, near
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,tp,bucket,batch", [
+    ("tiny", 1, 4, 3), ("tiny", 2, 4, 1), ("tiny-gqa", 4, 4, 3), ("tiny-gqa", 8, 4, 4),
+    ("tiny-gqa", 2, 72, 70), ("llama-3.2-1b", 1, 4, 2), ("llama-3.2-1b", 8, 24, 21)])
+def test_topk_matches_own_logits_and_interpreter(name, tp, bucket, batch):
+    """LM-head tile top-TOPK + ARGMAX merge: batch 1 (16 warps per row), 3-4 (4 per row),
+    21 and 70 (tensor-core LM head, one warp per row, several passes), Llama-1B vocab
+    (~500 tiles of candidates per row)."""
+    if name == "llama-3.2-1b":
+        cfg = ModelConfig.from_name(name).replace(num_hidden_layers=2)
+        shards = random_shards(cfg, tp, seed=6)
+    else:
+        cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
+        _, shards = shards_for(cfg, tp, seed=tp, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, cfg.vocab_size, (2 + b % 3,), generator=g).tolist() for b in range(batch)]
+    vm, mk = _pair(cfg, tp, bucket, shards)
+    _, near = _compare_topk(vm, mk, prompts, f"{name} tp{tp} batch {batch}")
+    print(f"{name} tp{tp} batch {batch}: {len(near)} top-{TOPK} near-ties vs the interpreter")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,batch", [(2, 3), (8, 3), (2, 8)])
+def test_topk_exact_ties_go_to_the_lowest_id(tp, batch):
+    """Crafted head (_mk_helpers.TIE_GROUPS): bit-exact ties across ranks and tiles, the TOPK
+    boundary inside a tie group; CUDA-core (batch 3) and tensor-core (batch 8) LM head."""
+    cfg = ModelConfig.from_name("tiny").replace(dtype="bfloat16")
+    _, shards = shards_for(cfg, tp, seed=tp, dtype=torch.bfloat16)
+    vm, mk = _pair(cfg, tp, batch, with_lm_head(shards, cfg, tie_lm_head(cfg)))
+    prompts = [[5 + b, 40 + b, 77] for b in range(batch)]
+    steps, _ = _compare_topk(vm, mk, prompts, f"ties tp{tp} batch {batch}")
+    for live, ids, wl in steps:   # logit of id 11 = 3 * xn[0]: its sign picks the tie groups
+        for i in range(len(live)):
+            assert ids[i].tolist() == tie_topk_ids(float(wl[i, 11]), TOPK), ids[i].tolist()
 
 
 @pytest.mark.gpu

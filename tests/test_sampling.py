@@ -120,6 +120,18 @@ def test_greedy_ties_go_to_the_lowest_id_across_ranks():
         assert toks == [30, 3]
 
 
+def test_top_k_boundary_ties_keep_the_lowest_ids_whatever_the_tp():
+    """Four equal maxima in different ranks' slices, top_k = 2: only the two lowest ids are
+    ever drawn (torch.topk alone may keep any two), identically for every tp."""
+    logits = torch.zeros(VOCAB)
+    logits[[45, 3, 30, 10]] = 5.0
+    p = SamplingParams(temperature=50.0, top_k=2, seed=4)
+    one = draw(logits, p, 400)
+    assert set(one.tolist()) == {3, 10}
+    for tp in (2, 4):
+        assert torch.equal(draw(logits, p, 400, tp=tp), one)
+
+
 def test_padding_is_never_chosen():
     logits = torch.full((1, 10), -50.0)
     params = [SamplingParams(), SamplingParams(temperature=5.0, seed=1),

@@ -7,6 +7,10 @@ batched prefill into the SAME paged KV caches (tpmk.engine.kv_cache.KVCache);
 `prefill="stream"` instead feeds the prompt through the instruction stream one
 position at a time (all sequences in lockstep), which needs nothing but the
 stream itself.
+
+Sampling: greedy rows take the stream's argmax; sampled rows with
+1 <= top_k <= TOPK sample from the stream's top-TOPK candidates; only the other
+sampled rows (and return_logits) copy the full logits to the host.
 """
 from __future__ import annotations
 
@@ -19,19 +23,45 @@ from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine.kv_cache import KVCache
 from tpmk.engine.api import Decode, Prefill, SamplingParams, StepResult
 from tpmk.kernels.interpreter import VM
+from tpmk.kernels.isa import TOPK
 from tpmk.kernels.schedule import build_schedule
 from tpmk.partition.weights import RankWeights
 
 INTERPRETER_SMS = 8  # queues per rank; any value gives the same result
 
 
-def sample_tokens(logits: torch.Tensor, positions: list[int], sampling: list[SamplingParams],
+def uses_candidates(s: SamplingParams) -> bool:
+    """A sampled row whose top_k the stream's top-TOPK candidates cover."""
+    return not s.greedy and 1 <= s.top_k <= TOPK
+
+
+def needs_logits(sampling: list[SamplingParams]) -> bool:
+    """Some sampled row needs the full logits (top_k unset or > TOPK)."""
+    return any(not s.greedy and not uses_candidates(s) for s in sampling)
+
+
+def sample_tokens(logits: torch.Tensor | None, topk: tuple[torch.Tensor, torch.Tensor] | None,
+                  vocab_size: int, positions: list[int], sampling: list[SamplingParams],
                   greedy_tokens: torch.Tensor) -> list[int]:
-    """Greedy rows keep the stream's argmax; sampled rows use tpmk.engine.sampling."""
+    """Greedy rows keep the stream's argmax; sampled rows use tpmk.engine.sampling.sample on
+    logits [B, vocab] (None when no row needs them), except `uses_candidates` rows, whose
+    row is -inf but at the stream's candidates topk = (values, ids) [B, TOPK]. The sampler
+    keeps the top_k by (logit desc, id asc), the candidates' order, and draws the noise per
+    (seed, position, id): the same token as from the full logits row, ties included."""
     out = [int(t) for t in greedy_tokens]
     if all(s.greedy for s in sampling):
         return out
     from tpmk.engine.sampling import sample  # the reference engine's sampler (same noise)
+    rows = [b for b, s in enumerate(sampling) if uses_candidates(s)]
+    if logits is None:
+        logits = torch.full((len(sampling), vocab_size), float("-inf"))
+    elif rows:
+        logits = logits.clone()
+    if rows:
+        values, ids = topk
+        idx = torch.tensor(rows)
+        logits[idx] = float("-inf")
+        logits[idx[:, None], ids[idx]] = values[idx]
     sampled = sample(logits, positions, sampling)
     return [out[b] if s.greedy else int(sampled[b]) for b, s in enumerate(sampling)]
 
@@ -84,32 +114,48 @@ class InterpreterEngine:
             return self._reference_engine().prefill(cmd)
         t0 = time.perf_counter()
         n = len(cmd.tokens)
-        last_logits = [None] * n
+        want_logits = cmd.return_logits or needs_logits(cmd.sampling)
+        last_logits = torch.zeros(n, self.cfg.vocab_size) if want_logits else None
         greedy = torch.zeros(n, dtype=torch.int64)
+        values, ids = torch.zeros(n, TOPK), torch.zeros(n, TOPK, dtype=torch.int64)
         for chunk in self._chunks(n):
             longest = max(len(cmd.tokens[b]) for b in chunk)
             for pos in range(longest):
                 live = [b for b in chunk if pos < len(cmd.tokens[b])]
                 toks = self.vm.step([cmd.tokens[b][pos] for b in live], [pos] * len(live),
                                     [cmd.pages[b] for b in live]).cpu()
-                logits = self.vm.logits().cpu()
-                for i, b in enumerate(live):
-                    if pos == len(cmd.tokens[b]) - 1:
-                        last_logits[b], greedy[b] = logits[i].clone(), toks[i]
-        logits = torch.stack(last_logits)
+                ends = [i for i, b in enumerate(live) if pos == len(cmd.tokens[b]) - 1]
+                if not ends:
+                    continue
+                at = torch.tensor([live[i] for i in ends])
+                greedy[at] = toks[ends].long()
+                v, k = self.vm.topk()
+                values[at], ids[at] = v.cpu()[ends], k.cpu()[ends]
+                if want_logits:
+                    last_logits[at] = self.vm.logits().cpu()[ends]
         positions = [len(t) - 1 for t in cmd.tokens]
-        tokens = sample_tokens(logits, positions, cmd.sampling, greedy)
-        return StepResult(tokens=tokens, logits=logits.tolist() if cmd.return_logits else None,
+        tokens = sample_tokens(last_logits, (values, ids), self.cfg.vocab_size, positions,
+                               cmd.sampling, greedy)
+        return StepResult(tokens=tokens, logits=last_logits.tolist() if cmd.return_logits else None,
                           step_ms=(time.perf_counter() - t0) * 1e3)
 
     def decode(self, cmd: Decode) -> StepResult:
         t0 = time.perf_counter()
-        toks, logits = [], []
+        want_logits = cmd.return_logits or needs_logits(cmd.sampling)
+        want_topk = any(uses_candidates(s) for s in cmd.sampling)
+        toks, logits, values, ids = [], [], [], []
         for chunk in self._chunks(len(cmd.tokens)):
             toks.append(self.vm.step([cmd.tokens[b] for b in chunk], [cmd.positions[b] for b in chunk],
                                      [cmd.pages[b] for b in chunk]).cpu().long())
-            logits.append(self.vm.logits().cpu())
-        logits = torch.cat(logits)
-        tokens = sample_tokens(logits, cmd.positions, cmd.sampling, torch.cat(toks))
+            if want_logits:  # [batch, vocab]: the one large device-to-host copy of a step
+                logits.append(self.vm.logits().cpu())
+            if want_topk:
+                v, k = self.vm.topk()
+                values.append(v.cpu())
+                ids.append(k.cpu())
+        logits = torch.cat(logits) if want_logits else None
+        topk = (torch.cat(values), torch.cat(ids)) if want_topk else None
+        tokens = sample_tokens(logits, topk, self.cfg.vocab_size, cmd.positions, cmd.sampling,
+                               torch.cat(toks))
         return StepResult(tokens=tokens, logits=logits.tolist() if cmd.return_logits else None,
                           step_ms=(time.perf_counter() - t0) * 1e3)

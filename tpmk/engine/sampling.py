@@ -9,7 +9,8 @@ rank*Vl .. (rank+1)*Vl; ids >= vocab_size are padding and never chosen).
 - temperature: the same argmax over logits / T + Gumbel noise (Gumbel-max
   trick: an exact sample from softmax(logits / T)).
 - top-k / top-p: each rank contributes its local top-k candidates (at most
-  CANDIDATE_CAP when only top_p is set); every rank sorts the gathered
+  CANDIDATE_CAP when only top_p is set; among equal logits the lowest ids, so
+  ties resolve the same whatever the tp); every rank sorts the gathered
   candidates by (logit desc, id asc), keeps the global top_k, then the
   smallest prefix whose probability mass reaches top_p, and takes the
   Gumbel-max among those. Identical on every rank, no full logits moved.
@@ -93,7 +94,14 @@ def _truncated(z: torch.Tensor, ids: torch.Tensor, params: list[SamplingParams],
     dev = z.device
     ks = [p.top_k if p.top_k > 0 else CANDIDATE_CAP for p in params]
     kk = min(max(ks), z.shape[-1])
-    vals, pos = z.topk(kk, dim=-1)  # [n, Bt, kk]
+    # Local top-kk, taking the lowest ids among values equal to the kk-th (torch.topk leaves
+    # that choice unspecified): the token then depends neither on tp nor on the backend, and
+    # a row that is -inf outside the megakernel's top-TOPK candidates samples the same token.
+    kth = z.topk(kk, dim=-1).values[..., -1:]
+    above, tied = z > kth, z == kth
+    take = above | (tied & (tied.cumsum(-1) <= kk - above.sum(-1, keepdim=True)))  # kk per row
+    pos = (take * (z.shape[-1] - torch.arange(z.shape[-1], device=dev))).topk(kk, dim=-1).indices
+    vals = z.gather(-1, pos)  # [n, Bt, kk]
     gid = torch.gather(ids[:, None, :].expand(-1, z.shape[1], -1), -1, pos)
     cands = gather_ranks(torch.stack([vals, gid.float()], dim=-1), group)  # [tp, Bt, kk, 2]
     cands = cands.permute(1, 0, 2, 3).reshape(z.shape[1], -1, 2)  # [Bt, tp*kk, 2]

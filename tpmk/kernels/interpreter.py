@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tpmk.config import ModelConfig
-from tpmk.kernels.isa import NEG_INF
+from tpmk.kernels.isa import NEG_INF, TOPK, cand_shape, check_vocab
 from tpmk.kernels.ops import Instruction
 from tpmk.kernels.schedule import Schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
@@ -38,18 +38,21 @@ class RankState:
     act: torch.Tensor              # [bucket, I]
     logits: torch.Tensor           # [bucket, Vp]
     tokens_out: torch.Tensor       # [bucket] int64
+    topk_values: torch.Tensor      # [bucket, TOPK] f32, value desc then id asc
+    topk_ids: torch.Tensor         # [bucket, TOPK] int64
     attn_slots: torch.Tensor       # [tp, bucket, H] written by peers
     mlp_slots: torch.Tensor
-    cand: torch.Tensor             # [tp, n_lm_tiles, bucket, 2]
+    cand: torch.Tensor             # isa.cand_shape: [tp, n_lm_tiles, bucket, TOPK, 2]
 
     def slots(self, stage: int) -> torch.Tensor:
         return self.attn_slots if stage % 2 else self.mlp_slots
 
     def poison(self) -> None:
-        for t in (self.x, self.q, self.attn_part, self.act, self.logits, self.attn_slots,
-                  self.mlp_slots, self.cand):
+        for t in (self.x, self.q, self.attn_part, self.act, self.logits, self.topk_values,
+                  self.attn_slots, self.mlp_slots, self.cand):
             t.fill_(float("nan"))
         self.tokens_out.fill_(-1)
+        self.topk_ids.fill_(-1)
 
 
 class VM:
@@ -60,6 +63,7 @@ class VM:
         if len(shards) != sched.tp:
             raise ValueError(f"{len(shards)} shards for a tp={sched.tp} schedule; "
                              "the interpreter runs all ranks in one process")
+        check_vocab(cfg.vocab_size)
         self.cfg, self.sched, self.tp = cfg, sched, sched.tp
         self.q_heads, self.kv_heads = local_heads(cfg, sched.tp)
         self.head_dim, self.num_splits = cfg.head_dim, sched.num_splits
@@ -77,8 +81,9 @@ class VM:
             attn_part=torch.zeros(B, self.q_heads, sched.num_splits, D + 2, **f32),
             act=torch.zeros(B, self.inter, **f32), logits=torch.zeros(B, vp, **f32),
             tokens_out=torch.zeros(B, dtype=torch.int64),
+            topk_values=torch.zeros(B, TOPK, **f32), topk_ids=torch.zeros(B, TOPK, dtype=torch.int64),
             attn_slots=torch.zeros(self.tp, B, H, **f32), mlp_slots=torch.zeros(self.tp, B, H, **f32),
-            cand=torch.zeros(self.tp, sched.n_lm_tiles, B, 2, **f32))
+            cand=torch.zeros(cand_shape(self.tp, sched.n_lm_tiles, B), **f32))
             for w, k, v in zip(shards, k_caches, v_caches)]
         self.epoch = 0
         self.counters = [[0] * sched.num_counters for _ in range(self.tp)]
@@ -118,17 +123,23 @@ class VM:
 
     def step(self, tokens, positions, pages, order: str = "program", seed: int = 0,
              poison: bool = False) -> torch.Tensor:
-        """Run one decode step for every rank; returns tokens [batch] (rank 0's, checked equal)."""
+        """Run one decode step for every rank; returns tokens [batch] (rank 0's; every rank's
+        tokens and top-TOPK are checked equal to rank 0's)."""
         self.set_header(tokens, positions, pages)
         if poison:
             for st in self.ranks:
                 st.poison()
         getattr(self, f"_run_{order}")(random.Random(seed))
         out = self.ranks[0].tokens_out[:self.batch].clone()
+        values, ids = self.topk()
         for r, st in enumerate(self.ranks[1:], 1):
             if not torch.equal(st.tokens_out[:self.batch], out):
                 raise RuntimeError(f"rank {r} tokens {st.tokens_out[:self.batch].tolist()} != "
                                    f"rank 0 tokens {out.tolist()}")
+            if not (torch.equal(st.topk_ids[:self.batch], ids)
+                    and torch.equal(st.topk_values[:self.batch], values)):
+                raise RuntimeError(f"rank {r} top-{TOPK} ids {st.topk_ids[:self.batch].tolist()} "
+                                   f"!= rank 0's {ids.tolist()} (or their values differ)")
         return out
 
     def _run_program(self, rng) -> None:
@@ -196,6 +207,12 @@ class VM:
         """[batch, vocab_size] float32, gathered from every rank's vocab slice."""
         full = torch.cat([st.logits[:self.batch] for st in self.ranks], dim=1)
         return full[:, :self.vocab_size]
+
+    def topk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-TOPK from the ARGMAX op (rank 0's copy): values [batch, TOPK] f32,
+        ids [batch, TOPK] int64; value descending, then id ascending."""
+        st = self.ranks[0]
+        return st.topk_values[:self.batch].clone(), st.topk_ids[:self.batch].clone()
 
 
 __all__ = ["VM", "RankState", "NEG_INF"]

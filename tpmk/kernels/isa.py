@@ -26,6 +26,7 @@ MAX_TP = 8
 ERROR_WORDS = 16
 NO_COUNTER = -1
 NEG_INF = -1.0e30         # finite "minus infinity" for empty softmax splits
+TOPK = 8                  # LM-head candidates per tile and per row (sampling with top_k <= TOPK)
 
 
 class Opcode(enum.IntEnum):
@@ -37,8 +38,8 @@ class Opcode(enum.IntEnum):
     RESIDUAL = 5     # x[:, cols] (+)= sum over ranks of slot[r][:, cols] (fixed rank order)
     GATE_UP = 6      # rmsnorm(x) @ gate/up rows, silu(gate) * up -> act
     DOWN = 7         # act @ down rows, push partial to every peer's slot[rank]
-    LM_HEAD = 8      # rmsnorm(x) @ lm_head rows -> logits, per-tile argmax pushed to peers
-    ARGMAX = 9       # reduce all ranks' candidates (fixed order) -> tokens_out
+    LM_HEAD = 8      # rmsnorm(x) @ lm_head rows -> logits, per-tile top-TOPK pushed to peers
+    ARGMAX = 9       # merge all ranks' candidates -> row top-TOPK (topk_values/ids), tokens_out
 
 
 class Field(enum.IntEnum):
@@ -85,6 +86,21 @@ def header_words(bucket: int, max_pages: int) -> int:
     return HeaderField.TOKENS + 2 * bucket + bucket * max_pages
 
 
+def cand_shape(tp: int, n_lm_tiles: int, bucket: int) -> tuple[int, int, int, int, int]:
+    """LM-head candidates, f32, on every rank (`peer_cand`): [tp, n_lm_tiles, bucket, TOPK, 2].
+
+    cand[r, t, b] holds tile t of rank r's TOPK best (value, global vocab id as f32; ids
+    < vocab_size < 2**24 are exact) of row b, value descending then id ascending; entries
+    past a tile's rows are (-inf, -1)."""
+    return tp, n_lm_tiles, bucket, TOPK, 2
+
+
+def check_vocab(vocab_size: int) -> None:
+    if not TOPK <= vocab_size < 2 ** 24:
+        raise ValueError(f"vocab_size={vocab_size} must be in [TOPK={TOPK}, 2**24): the row's "
+                         f"top-TOPK must be real tokens and candidate ids are exact f32")
+
+
 def header_offsets(bucket: int) -> tuple[int, int, int]:
     """(tokens, positions, page table) word offsets in the step header."""
     t = int(HeaderField.TOKENS)
@@ -110,13 +126,15 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("act", PTR, 1),                                # [bucket, I] f32
     ("logits", PTR, 1),                             # [bucket, Vp] f32
     ("tokens_out", PTR, 1),                         # [bucket] int32
+    ("topk_values", PTR, 1),                        # [bucket, TOPK] f32, value desc then id asc
+    ("topk_ids", PTR, 1),                           # [bucket, TOPK] int32 global vocab ids
     ("counters", PTR, 1),                           # [num_counters * COUNTER_STRIDE] u32
     ("error", PTR, 1),                              # [ERROR_WORDS] int32 (shared by all ranks)
     ("profile", PTR, 1),                            # [n, 2] u64 timestamps or 0
     ("peer_counters", PTR, MAX_TP),
     ("peer_attn_slots", PTR, MAX_TP),               # [tp, bucket, H] f32 on each peer
     ("peer_mlp_slots", PTR, MAX_TP),
-    ("peer_cand", PTR, MAX_TP),                     # [tp, n_lm_tiles, bucket, 2] f32 on each peer
+    ("peer_cand", PTR, MAX_TP),                     # cand_shape(tp, n_lm_tiles, bucket) f32 on each peer
     ("timeout_ns", I64, 1),
     ("rank", I32, 1), ("tp", I32, 1), ("num_sms", I32, 1), ("bucket", I32, 1),
     ("num_layers", I32, 1), ("hidden", I32, 1), ("q_heads", I32, 1), ("kv_heads", I32, 1),
@@ -155,6 +173,7 @@ def generate_header() -> str:
         f"constexpr int ERROR_WORDS = {ERROR_WORDS};",
         f"constexpr int NO_COUNTER = {NO_COUNTER};",
         f"constexpr float NEG_INF = {NEG_INF:.1e}f;",
+        f"constexpr int TOPK = {TOPK};",
         f"constexpr int HDR_TOKENS = {int(HeaderField.TOKENS)};",
     ]
     for cls, prefix in ((Opcode, "OP_"), (Field, "F_"), (ErrorField, "E_"), (HeaderField, "H_")):

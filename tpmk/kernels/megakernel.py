@@ -63,7 +63,8 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
     attn = 2 * G * D + G * ATTN_CHUNK + ((3 * G + 3) & ~3) + NWARPS * ATTN_HG * D
     S = sched.num_splits
     merge = BATCH_CHUNK * (hq * D + hq * S)         # o_proj input + split weights (mk_linear.cuh)
-    words = max(BATCH_CHUNK * kmax + out_max, merge, attn)
+    topk = 2 * NWARPS * isa.TOPK                   # argmax.cuh: per-warp (value, id) lists
+    words = max(BATCH_CHUNK * kmax + out_max, merge, attn, topk)
     if mma:
         words = max(words, MMA_SMEM_WORDS)
         o_rows = max((i.nrows for i in sched.instructions if i.name == "o_proj"), default=8)
@@ -93,6 +94,7 @@ class Megakernel:
         if n_local * sched.num_sms > props.multi_processor_count:
             raise ValueError(f"{n_local} ranks x {sched.num_sms} SMs per rank > "
                              f"{props.multi_processor_count} SMs on {props.name}")
+        isa.check_vocab(cfg.vocab_size)
         dtype = shards[0].qkv.dtype
         hq, hkv = local_heads(cfg, sched.tp)
         D, H, B = cfg.head_dim, cfg.hidden_size, sched.bucket
@@ -128,9 +130,11 @@ class Megakernel:
                 attn_part=torch.zeros(B, hq, sched.num_splits, D + 2, **f32),
                 act=torch.zeros(B, inter, **f32), logits=torch.zeros(B, vp, **f32),
                 tokens_out=torch.zeros(B, dtype=torch.int32, device=dev),
+                topk_values=torch.zeros(B, isa.TOPK, **f32),
+                topk_ids=torch.zeros(B, isa.TOPK, dtype=torch.int32, device=dev),
                 counters=torch.zeros(sched.num_counters * isa.COUNTER_STRIDE, dtype=torch.int32, device=dev),
                 attn_slots=torch.zeros(sched.tp, B, H, **f32), mlp_slots=torch.zeros(sched.tp, B, H, **f32),
-                cand=torch.zeros(sched.tp, sched.n_lm_tiles, B, 2, **f32),
+                cand=torch.zeros(isa.cand_shape(sched.tp, sched.n_lm_tiles, B), **f32),
                 profile=torch.zeros(len(sched.instructions) * 2, dtype=torch.int64, device=dev)
                 if profile else None))
         self.args = [isa.KernelArgs() for _ in range(n_local)]
@@ -237,6 +241,12 @@ class Megakernel:
         """[batch, vocab_size] float32 from every local rank's vocab slice."""
         full = torch.cat([b["logits"][:self.batch] for b in self.bufs], dim=1)
         return full[:, :self.cfg.vocab_size]
+
+    def topk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-TOPK from the ARGMAX op (local rank 0's copy, on the GPU): values
+        [batch, TOPK] f32, ids [batch, TOPK] int64; value descending, then id ascending."""
+        buf = self.bufs[0]
+        return buf["topk_values"][:self.batch].clone(), buf["topk_ids"][:self.batch].long()
 
     def profile_trace(self) -> list[dict]:
         """Chrome-trace events (one per executed instruction, per rank / SM)."""

@@ -8,6 +8,7 @@ constexpr int MAX_TP = 8;
 constexpr int ERROR_WORDS = 16;
 constexpr int NO_COUNTER = -1;
 constexpr float NEG_INF = -1.0e+30f;
+constexpr int TOPK = 8;
 constexpr int HDR_TOKENS = 4;
 constexpr int OP_NOP = 0;
 constexpr int OP_EMBED = 1;
@@ -73,6 +74,8 @@ struct KernelArgs {
   unsigned long long act;
   unsigned long long logits;
   unsigned long long tokens_out;
+  unsigned long long topk_values;
+  unsigned long long topk_ids;
   unsigned long long counters;
   unsigned long long error;
   unsigned long long profile;
@@ -104,4 +107,4 @@ struct KernelArgs {
   float eps;
   float attn_scale;
 };
-static_assert(sizeof(KernelArgs) == 544, "KernelArgs drifted from isa.py");
+static_assert(sizeof(KernelArgs) == 560, "KernelArgs drifted from isa.py");

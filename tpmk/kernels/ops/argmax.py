@@ -1,23 +1,24 @@
-"""argmax: reduce all ranks' LM-head candidates into tokens (CUDA: csrc/ops/argmax.cuh)."""
+"""argmax: merge all ranks' LM-head candidates into the row top-TOPK and tokens (CUDA: csrc/ops/argmax.cuh)."""
 from __future__ import annotations
 
-from tpmk.kernels.isa import Opcode
+from tpmk.kernels.isa import TOPK, Opcode
 from tpmk.kernels.ops.base import Instruction
+from tpmk.kernels.ops.lm_head import best_k
+
+NO_ID = 2 ** 31 - 1   # (-inf, -1) entries past a tile's rows sort last (CUDA skips them)
 
 
 class Argmax(Instruction):
-    """Candidates in (rank, tile) order are in increasing vocab id, so a strict '>'
-    keeps the first maximum, as torch.argmax does."""
+    """Row b's global top-TOPK: the `best_k` (value desc, id asc) of every rank's tile
+    candidates -> topk_values/topk_ids[b]; tokens_out[b] = its first id, the lowest id of
+    the maximum, as torch.argmax. Every rank computes the same result from its copy."""
     opcode = Opcode.ARGMAX
     name = "argmax"
 
     def execute(self, vm, rank: int) -> None:
-        st = vm.ranks[rank]
-        cand = st.cand[:, :, :vm.batch].reshape(-1, vm.batch, 2)              # [tp*tiles, B, 2]
-        for b in range(vm.batch):
-            best, tok = float("-inf"), -1
-            for c in range(cand.shape[0]):
-                v = float(cand[c, b, 0])
-                if v > best:
-                    best, tok = v, int(cand[c, b, 1])
-            st.tokens_out[b] = tok
+        st, B = vm.ranks[rank], vm.batch
+        cand = st.cand[:, :, :B].permute(2, 0, 1, 3, 4).reshape(B, -1, 2)    # [B, tp*tiles*TOPK, 2]
+        ids = cand[..., 1].long()
+        vals, ids = best_k(cand[..., 0], ids.masked_fill(ids < 0, NO_ID), TOPK)
+        st.topk_values[:B], st.topk_ids[:B] = vals, ids
+        st.tokens_out[:B] = ids[:, 0]

@@ -1,8 +1,10 @@
 // lm_head: must match tpmk/kernels/ops/lm_head.py (LmHead). Final RMSNorm(x) @ local
 // vocab rows [ROW0, ROW0+NROWS); padded ids -> NEG_INF; logits stored locally; the
-// tile's best (value, global id; first id on ties) -> cand[rank, TILE, b] of every peer.
+// tile's TOPK best (value desc, global id asc; (-inf, -1) past the tile's rows) ->
+// cand[rank, TILE, b] of every peer (layout: isa.cand_shape in isa.py).
 #pragma once
 #include "mk_linear.cuh"
+#include "mk_topk.cuh"
 
 __device__ __noinline__ void op_lm_head(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
@@ -21,28 +23,22 @@ __device__ __noinline__ void op_lm_head(const KernelArgs& a, const int* ins, con
       const int b = i / n, r = i % n;
       const float v = gid0 + r < a.vocab_size ? outs[i] : isa::NEG_INF;
       logits[(size_t)(b0 + b) * a.vocab_local + r0 + r] = v;
-      outs[i] = v;
+      outs[i] = v;   // the candidates carry the stored logits' exact bits
     }
     __syncthreads();
-    for (int b = warp; b < nb; b += NWARPS) {
-      float best = __int_as_float(0xff800000);
-      int arg = 0x7fffffff;
-      for (int r = lane; r < n; r += 32) {
-        const float v = outs[b * n + r];
-        if (v > best) { best = v; arg = r; }   // lane-strided: first max within the lane
+    for (int b = warp; b < nb; b += NWARPS) {   // one warp per row: lane-strided lists, then merged
+      TopK t;
+      topk_init(t);
+      for (int r = lane; r < n; r += 32) topk_insert(t, outs[b * n + r], gid0 + r);
+      float v;
+      int id;
+      warp_topk(t, v, id);
+      if (lane < isa::TOPK) {
+        const float2 c = id == TOPK_NO_ID ? make_float2(__int_as_float(0xff800000), -1.f)
+                                          : make_float2(v, (float)id);
+        const size_t off = (((size_t)a.rank * a.n_lm_tiles + tile) * a.bucket + b0 + b) * isa::TOPK + lane;
+        for (int p = 0; p < a.tp; p++) reinterpret_cast<float2*>(a.peer_cand[p])[off] = c;
       }
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
-        if (ov > best || (ov == best && oa < arg)) { best = ov; arg = oa; }
-      }
-      if (lane == 0)
-        for (int p = 0; p < a.tp; p++) {
-          float* c = reinterpret_cast<float*>(a.peer_cand[p]) +
-                     (((size_t)a.rank * a.n_lm_tiles + tile) * a.bucket + b0 + b) * 2;
-          c[0] = best;
-          c[1] = (float)(gid0 + arg);
-        }
     }
     __syncthreads();
   }
