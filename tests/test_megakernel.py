@@ -14,7 +14,7 @@ PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 2
 PAGE, PAGES_PER_SEQ = 16, 8
 
 
-def _pair(cfg, tp, bucket, shards_cpu, sms=None):
+def _pair(cfg, tp, bucket, shards_cpu, sms=None, stream_weights=True):
     from tpmk.kernels.megakernel import Megakernel
     sms = sms or min(16, torch.cuda.get_device_properties(0).multi_processor_count // tp)
     sched = build_schedule(cfg, tp, bucket, sms)
@@ -23,7 +23,8 @@ def _pair(cfg, tp, bucket, shards_cpu, sms=None):
     vm = VM(cfg, sched, shards_cpu, kc, vc)
     kg, vg = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
     mk = Megakernel(cfg, sched, [s.to("cuda") for s in shards_cpu], [k.cuda() for k in kg],
-                    [v.cuda() for v in vg], timeout_s=2.0, max_pages_per_seq=PAGES_PER_SEQ)
+                    [v.cuda() for v in vg], timeout_s=2.0, max_pages_per_seq=PAGES_PER_SEQ,
+                    stream_weights=stream_weights)
     return vm, mk
 
 
@@ -74,13 +75,15 @@ def test_tiny_matches_interpreter_64_steps(name, tp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp", [1, 8])
-def test_llama_1b_shapes(tp):
+@pytest.mark.parametrize("tp,stream", [(1, True), (8, True), (1, False)])
+def test_llama_1b_shapes(tp, stream):
+    """stream: CUDA-core matvec weights through the shared-memory TMA ring (mk_stream.cuh),
+    else plain 16-byte loads (the path of tiles too wide for a ring stage)."""
     cfg = ModelConfig.from_name("llama-3.2-1b").replace(num_hidden_layers=2)
     shards = random_shards(cfg, tp, seed=1)
-    vm, mk = _pair(cfg, tp, 4, shards)
+    vm, mk = _pair(cfg, tp, 4, shards, stream_weights=stream)
     worst = _compare_run(vm, mk, [[1, 2, 3, 128000], [77, 66]], 6, f"1b tp{tp}")
-    print(f"llama-3.2-1b shapes (2 layers) tp{tp}: max rel logit err {worst:.2e}")
+    print(f"llama-3.2-1b shapes (2 layers) tp{tp} stream={stream}: max rel logit err {worst:.2e}")
 
 
 @pytest.mark.gpu

@@ -50,21 +50,27 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
 MMA_SMEM_WORDS = 64 + 16 * 16 + 8 * (4096 + 8 * 32) + 64 * 128
 
 
+def out_words(cfg: ModelConfig, sched: Schedule) -> int:
+    """f32 words per batch row after linear()'s inputs: its outputs ([rows] of the largest
+    tile) and o_proj's split weights ([hq * splits]); KernelArgs.out_max."""
+    hq, _ = local_heads(cfg, sched.tp)
+    rows = [2 * i.nrows if i.name in ("qkv", "gate_up") else i.nrows
+            for i in sched.instructions if i.name in ("qkv", "gate_up", "lm_head", "o_proj", "down")]
+    return max(rows + [hq * sched.num_splits])
+
+
 def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
+    """The least dynamic shared memory the ops need. The kernel is launched with all the
+    shared memory a block can have: what the ops leave is the weight-stream ring
+    (mk_stream.cuh), sized on the device from the launch's batch."""
     hq, hkv = local_heads(cfg, sched.tp)
-    out_max = 0   # linear() staging [BATCH_CHUNK, matvec rows]
-    for ins in sched.instructions:
-        if ins.name in ("qkv", "gate_up"):
-            out_max = max(out_max, BATCH_CHUNK * 2 * ins.nrows)
-        elif ins.name in ("lm_head", "o_proj", "down"):
-            out_max = max(out_max, BATCH_CHUNK * ins.nrows)
     G, D = hq // hkv, cfg.head_dim
     # attention.cuh: q, acc, scores, m/l/alpha (padded to 4), per-warp V partials
     attn = 2 * G * D + G * ATTN_CHUNK + ((3 * G + 3) & ~3) + NWARPS * ATTN_HG * D
     S = sched.num_splits
-    merge = BATCH_CHUNK * (hq * D + hq * S)         # o_proj input + split weights (mk_linear.cuh)
+    linear = BATCH_CHUNK * (kmax + out_words(cfg, sched))   # inputs, then outputs / split weights
     topk = 2 * NWARPS * isa.TOPK                   # argmax.cuh: per-warp (value, id) lists
-    words = max(BATCH_CHUNK * kmax + out_max, merge, attn, topk)
+    words = max(linear, attn, topk)
     if mma:
         words = max(words, MMA_SMEM_WORDS)
         o_rows = max((i.nrows for i in sched.instructions if i.name == "o_proj"), default=8)
@@ -78,7 +84,7 @@ class Megakernel:
     def __init__(self, cfg: ModelConfig, sched: Schedule, shards: list[RankWeights],
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  loopback: bool = False, timeout_s: float = 5.0, profile: bool = False,
-                 max_pages_per_seq: int = 0, defines: tuple[str, ...] = ()):
+                 max_pages_per_seq: int = 0, defines: tuple[str, ...] = (), stream_weights: bool = True):
         from cuda.bindings import driver as cu
         self.cu, self.cfg, self.sched = cu, cfg, sched
         n_local = len(shards)
@@ -162,11 +168,21 @@ class Megakernel:
             a.page_size, a.num_pages, a.max_pages = self.page_size, self.num_pages, self.max_pages
             a.num_splits, a.n_lm_tiles = sched.num_splits, sched.n_lm_tiles
             a.num_instructions, a.kmax, a.stop_after = len(sched.instructions), kmax, -1
+            a.out_max, a.stream_weights = out_words(cfg, sched), int(stream_weights)
             a.eps, a.attn_scale = cfg.rms_norm_eps, D ** -0.5
         self._upload_args()
         cubin = compile_megakernel(dtype, defines=defines)
         self.module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.fn = _check(cu.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
+        # All the shared memory a block may have: the rest after the ops' needs is the ring.
+        static = _check(cu.cuFuncGetAttribute(
+            cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.fn), "cuFuncGetAttribute")
+        optin = _check(cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev.index), "cuDeviceGetAttribute")
+        if optin - static < self.smem:
+            raise ValueError(f"megakernel needs {self.smem} B of dynamic shared memory, the device "
+                             f"allows {optin - static} B; lower BATCH_CHUNK or tile sizes")
+        self.smem = optin - static
         _check(cu.cuFuncSetAttribute(
             self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             self.smem), "cuFuncSetAttribute")
@@ -175,6 +191,13 @@ class Megakernel:
     def _upload_args(self) -> None:
         raw = b"".join(bytes(a) for a in self.args)
         self.args_dev = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.header.device)
+
+    def set_stream_weights(self, on: bool) -> None:
+        """Stream the CUDA-core matvecs' weights through the shared-memory ring (default) or
+        read them with plain 16-byte loads (A/B timing, debugging)."""
+        for a in self.args:
+            a.stream_weights = int(on)
+        self._upload_args()
 
     def set_stop_after(self, stage: int) -> None:
         """Debug: skip every instruction of a stage after `stage` (-1: run everything)."""

@@ -2,9 +2,10 @@
 // The grid holds `num_local_ranks * sms_per_rank` CTAs: CTA i runs queue
 // (i % sms_per_rank) of rank (i / sms_per_rank) with that rank's KernelArgs
 // (virtual TP: several ranks in one launch on one GPU; one process per GPU: 1 rank).
-// Per CTA: fetch instruction i + 2 into a 3-slot ring, ask L2 for the weights of
-// instruction i + 1 (they never depend on activations: they stream while this SM
-// waits and computes), wait on instruction i's counters, run the op, signal. Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
+// Per CTA: fetch instruction i + 2 into a 3-slot ring, start streaming instruction i's
+// weights into shared memory (mk_stream.cuh) and ask L2 for those of instruction i + 1
+// (weights never depend on activations: they flow while this SM waits), wait on
+// instruction i's counters, run the op, signal. Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
 #include "mk_common.cuh"
 #include "mk_sync.cuh"
 #include "ops/embed.cuh"
@@ -33,6 +34,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
   __syncthreads();
   const KernelArgs& a = sa;
   const int* hdr = reinterpret_cast<const int*>(a.header);
+  if (threadIdx.x == 0) ring_init(a, hdr[isa::H_BATCH]);   // read after the loop's first barrier
   const unsigned epoch = (unsigned)hdr[isa::H_EPOCH];
   const int* instr = reinterpret_cast<const int*>(a.instructions);
   const int i0 = reinterpret_cast<const int*>(a.queue_start)[sm];
@@ -49,9 +51,11 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
     if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
     if (threadIdx.x == 0) {
-      // This instruction's weights again (cheap when the lookahead already brought them
-      // into L2; needed for the first instruction), then the next instruction's.
-      prefetch_instruction(a, ins, hdr);
+      // This instruction's weights: into the shared-memory ring when it streams (the
+      // lookahead below already brought their start into L2), else an L2 hint; then the
+      // next instruction's into L2. All of it flows while this SM waits on its counters.
+      stream_start(a, ins, hdr[isa::H_BATCH], smem);
+      if (ring().total == 0) prefetch_instruction(a, ins, hdr);
       if (i + 1 < i1) prefetch_instruction(a, sins[(cur + 1) % 3], hdr);
       go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
       if (prof) prof[2 * i] = globaltimer();

@@ -1,9 +1,11 @@
 // linear(): the one entry point of every matvec op (qkv, o_proj, gate_up, down, lm_head).
 // batch >= MMA_MIN_BATCH (bf16): tensor-core passes of up to MMA_PASS rows (mk_mma.cuh), each
-// weight tile read once per pass; smaller batches: CUDA-core matvec over BATCH_CHUNK rows.
+// weight tile read once per pass; smaller batches: CUDA-core matvec over BATCH_CHUNK rows,
+// weights streamed through the shared-memory ring (mk_stream.cuh) when the tile fits it.
 #pragma once
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
+#include "mk_stream.cuh"
 
 // Batch rows per linear() call for a tile of nrows outputs.
 __device__ __forceinline__ int linear_chunk(int batch, int nrows) {
@@ -43,6 +45,12 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   }
 #endif
   float* xs = base;
+  if (ring().total > 0) {   // this instruction's weights are streaming in (linear is called once per pass)
+    float* outs = smem + ring().outs;
+    load_x(a, src, b0, nb, K, xs, red);
+    matvec_stream(K, xs, nb, nrows, outs, smem, b0 / BATCH_CHUNK);
+    return outs;
+  }
   float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb][nrows]
   load_x(a, src, b0, nb, K, xs, red);
   matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; });

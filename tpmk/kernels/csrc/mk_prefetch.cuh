@@ -4,7 +4,7 @@
 // never depend on the step's activations, so the bytes stream while the SM
 // would otherwise idle at the dependency; the matvec then reads them from L2.
 #pragma once
-#include "mk_common.cuh"
+#include "mk_stream.cuh"
 
 #ifndef PREFETCH_CAP
 #define PREFETCH_CAP (192 * 1024)   // bytes per instruction (132 SMs: ~25 MB of L2)
@@ -24,61 +24,29 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long by
 }
 
 __device__ void prefetch_instruction(const KernelArgs& a, const int* ins, const int* hdr) {
-  const int op = ins[isa::F_OP], l = ins[isa::F_LAYER], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
-  const size_t H = a.hidden, D = a.head_dim, I = a.inter, es = sizeof(wtype);
-  const size_t hq = a.q_heads, hkv = a.kv_heads;
-  const unsigned long long half_cap = prefetch_cap / 2;
-  switch (op) {
-    case isa::OP_QKV: {
-      const wtype* W = reinterpret_cast<const wtype*>(a.qkv) + (size_t)l * (hq + 2 * hkv) * D * H;
-      const size_t p0 = ins[isa::F_ARG0];
-      const unsigned long long bytes = min((unsigned long long)n * H * es, half_cap);
-      prefetch_l2(W + (r0 * D + p0) * H, bytes);
-      prefetch_l2(W + (r0 * D + D / 2 + p0) * H, bytes);
-      break;
-    }
-    case isa::OP_GATE_UP: {
-      const wtype* W = reinterpret_cast<const wtype*>(a.gate_up) + (size_t)l * 2 * I * H;
-      const unsigned long long bytes = min((unsigned long long)n * H * es, half_cap);
-      prefetch_l2(W + (size_t)r0 * H, bytes);
-      prefetch_l2(W + (I + r0) * H, bytes);
-      break;
-    }
-    case isa::OP_O_PROJ: {
-      const size_t K = hq * D;
-      const wtype* W = reinterpret_cast<const wtype*>(a.o_proj) + (size_t)l * H * K;
-      prefetch_l2(W + (size_t)r0 * K, min((unsigned long long)n * K * es, prefetch_cap));
-      break;
-    }
-    case isa::OP_DOWN: {
-      const wtype* W = reinterpret_cast<const wtype*>(a.down) + (size_t)l * H * I;
-      prefetch_l2(W + (size_t)r0 * I, min((unsigned long long)n * I * es, prefetch_cap));
-      break;
-    }
-    case isa::OP_LM_HEAD: {
-      const wtype* W = reinterpret_cast<const wtype*>(a.lm_head);
-      prefetch_l2(W + (size_t)r0 * H, min((unsigned long long)n * H * es, prefetch_cap));
-      break;
-    }
-    case isa::OP_ATTENTION: {
-      // KV pages of this (sequence, kv head, split); the newest token is still to be
-      // written by a qkv tile, but its page is among these (prefetch is only a hint).
-      const int b = ins[isa::F_ARG0], split = ins[isa::F_ARG1];
-      if (b >= hdr[isa::H_BATCH]) break;
-      const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
-      const int* pages = pos + a.bucket + b * a.max_pages;
-      const int ctx = pos[b] + 1, S = a.num_splits, per = (ctx + S - 1) / S, ps = a.page_size;
-      const int t0 = min(ctx, split * per), t1 = min(ctx, t0 + per);
-      const unsigned long long blk = (unsigned long long)ps * D * es;
-      unsigned long long budget = prefetch_cap;
-      for (int pg = t0 / ps; pg * ps < t1 && budget >= 2 * blk; pg++, budget -= 2 * blk) {
-        const size_t off = (((size_t)l * a.num_pages + pages[pg]) * hkv + r0) * ps * D;
-        prefetch_l2(reinterpret_cast<const wtype*>(a.k_cache) + off, blk);
-        prefetch_l2(reinterpret_cast<const wtype*>(a.v_cache) + off, blk);
-      }
-      break;
-    }
-    default:
-      break;
+  const size_t D = a.head_dim, es = sizeof(wtype), hkv = a.kv_heads;
+  Tile t;
+  if (linear_tile(a, ins, t)) {   // the start of each of the tile's (at most two) row blocks
+    const int n0 = min(t.rows.n0, t.nrows);
+    const unsigned long long row = (unsigned long long)t.K * es, cap = n0 < t.nrows ? prefetch_cap / 2 : prefetch_cap;
+    prefetch_l2(t.rows(0), min(n0 * row, cap));
+    if (n0 < t.nrows) prefetch_l2(t.rows(n0), min((t.nrows - n0) * row, cap));
+    return;
+  }
+  if (ins[isa::F_OP] != isa::OP_ATTENTION) return;
+  // KV pages of this (sequence, kv head, split); the newest token is still to be written
+  // by a qkv tile, but its page is among these (prefetch is only a hint).
+  const int l = ins[isa::F_LAYER], r0 = ins[isa::F_ROW0], b = ins[isa::F_ARG0], split = ins[isa::F_ARG1];
+  if (b >= hdr[isa::H_BATCH]) return;
+  const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
+  const int* pages = pos + a.bucket + b * a.max_pages;
+  const int ctx = pos[b] + 1, S = a.num_splits, per = (ctx + S - 1) / S, ps = a.page_size;
+  const int t0 = min(ctx, split * per), t1 = min(ctx, t0 + per);
+  const unsigned long long blk = (unsigned long long)ps * D * es;
+  unsigned long long budget = prefetch_cap;
+  for (int pg = t0 / ps; pg * ps < t1 && budget >= 2 * blk; pg++, budget -= 2 * blk) {
+    const size_t off = (((size_t)l * a.num_pages + pages[pg]) * hkv + r0) * ps * D;
+    prefetch_l2(reinterpret_cast<const wtype*>(a.k_cache) + off, blk);
+    prefetch_l2(reinterpret_cast<const wtype*>(a.v_cache) + off, blk);
   }
 }

@@ -6,15 +6,15 @@
 __device__ __noinline__ void op_gate_up(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], l = ins[isa::F_LAYER], c0 = ins[isa::F_ROW0];
   const int n = ins[isa::F_NROWS], H = a.hidden, I = a.inter;
-  const wtype* W = reinterpret_cast<const wtype*>(a.gate_up) + (size_t)l * 2 * I * H;
-  const RowMap rows{W + (size_t)c0 * H, W + (size_t)(I + c0) * H, n, H};
+  Tile tile;
+  linear_tile(a, ins, tile);   // gate rows c0 + i, then up rows I + c0 + i
   const XSrc src{reinterpret_cast<const float*>(a.x), H,
                  reinterpret_cast<const wtype*>(a.post_norm) + (size_t)l * H, nullptr};
   float* act = reinterpret_cast<float*>(a.act);
   const int chunk = linear_chunk(batch, 2 * n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
-    const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, rows, smem);   // [nb, 2n]
+    const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, tile.rows, smem);   // [nb, 2n]
     for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
       const int b = i / n, c = i % n;
       const float gt = outs[b * 2 * n + c], up = outs[b * 2 * n + n + c];

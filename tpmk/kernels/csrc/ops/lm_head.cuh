@@ -10,15 +10,15 @@ __device__ __noinline__ void op_lm_head(const KernelArgs& a, const int* ins, con
   const int batch = hdr[isa::H_BATCH], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
   const int tile = ins[isa::F_TILE], H = a.hidden;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const wtype* W = reinterpret_cast<const wtype*>(a.lm_head) + (size_t)r0 * H;
-  const RowMap rows{W, W, n, H};
+  Tile wt;
+  linear_tile(a, ins, wt);
   const XSrc src{reinterpret_cast<const float*>(a.x), H, reinterpret_cast<const wtype*>(a.final_norm), nullptr};
   float* logits = reinterpret_cast<float*>(a.logits);
   const int gid0 = a.rank * a.vocab_local + r0;
   const int chunk = linear_chunk(batch, n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
-    float* outs = linear(a, batch, H, b0, nb, n, src, rows, smem);   // [nb, n]
+    float* outs = linear(a, batch, H, b0, nb, n, src, wt.rows, smem);   // [nb, n]
     for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
       const int b = i / n, r = i % n;
       const float v = gid0 + r < a.vocab_size ? outs[i] : isa::NEG_INF;

@@ -10,15 +10,15 @@ __device__ __noinline__ void op_qkv(const KernelArgs& a, const int* ins, const i
   const int H = a.hidden, D = a.head_dim, half = D / 2, hq = a.q_heads, hkv = a.kv_heads;
   const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
   const int* pages = pos + a.bucket;
-  const wtype* W = reinterpret_cast<const wtype*>(a.qkv) + (size_t)l * (hq + 2 * hkv) * D * H;
-  const RowMap rows{W + (size_t)(head * D + p0) * H, W + (size_t)(head * D + half + p0) * H, n, H};
+  Tile tile;
+  linear_tile(a, ins, tile);   // rows p0 + i, then half + p0 + i, of this head
   const XSrc src{reinterpret_cast<const float*>(a.x), H,
                  reinterpret_cast<const wtype*>(a.input_norm) + (size_t)l * H, nullptr};
   const float* inv_freq = reinterpret_cast<const float*>(a.rope_inv_freq);
   const int chunk = linear_chunk(batch, 2 * n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
-    const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, rows, smem);   // [nb, 2n]
+    const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, tile.rows, smem);   // [nb, 2n]
     for (int idx = threadIdx.x; idx < nb * n; idx += NTHREADS) {
       const int b = idx / n, i = idx % n, t = pos[b0 + b];
       float y1 = outs[b * 2 * n + i], y2 = outs[b * 2 * n + n + i];
