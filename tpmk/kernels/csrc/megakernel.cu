@@ -56,7 +56,9 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       // next instruction's into L2. All of it flows while this SM waits on its counters.
       stream_start(a, ins, hdr[isa::H_BATCH], smem);
       if (ring().total == 0) prefetch_instruction(a, ins, hdr);
+#ifndef MK_NO_NEXT_PREFETCH
       if (i + 1 < i1) prefetch_instruction(a, sins[(cur + 1) % 3], hdr);
+#endif
       go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
       if (prof) prof[2 * i] = globaltimer();
     }

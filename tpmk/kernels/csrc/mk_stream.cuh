@@ -14,8 +14,17 @@
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
 
-constexpr int STAGE_BYTES = 16 * 1024;
-constexpr int RING_MAX = 12;      // stages at most (12 x 16 KB at batch 1)
+#ifndef MK_STAGE_BYTES
+#define MK_STAGE_BYTES (16 * 1024)
+#endif
+#ifndef MK_RING_MAX
+#define MK_RING_MAX 12
+#endif
+#ifndef MK_COPY_BYTES
+#define MK_COPY_BYTES (1 << 30)   // one bulk copy per row block of a stage (tuning: split them)
+#endif
+constexpr int STAGE_BYTES = MK_STAGE_BYTES;
+constexpr int RING_MAX = MK_RING_MAX;      // stages at most (12 x 16 KB at batch 1)
 constexpr int RPS_MAX = 32;       // weight rows per stage at most
 constexpr int PBUF_WORDS = 256;   // one stage's per-warp partial sums [rows][warps per row][nb]
 
@@ -107,6 +116,9 @@ __device__ void ring_init(const KernelArgs& a, int batch) {
   for (int j = 0; j < RING_MAX; j++)
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&r.bar[j])) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#ifdef MK_DEBUG_RING
+  if (blockIdx.x == 0) printf("ring: dyn %u B, off %d words, %d stages of %d B\n", dyn, r.off, r.nstages, STAGE_BYTES);
+#endif
 }
 
 // Thread 0: copy local stage j of the current instruction (pass j / spp, rows of stage
@@ -122,9 +134,11 @@ __device__ void stream_issue(float* smem, int j) {
   const wtype* src[2] = {r.tile.rows(row0), k0 < n ? r.tile.rows(row0 + k0) : nullptr};
   const unsigned bytes[2] = {k0 * rb, (n - k0) * rb}, at[2] = {dst, dst + k0 * rb};
   for (int i = 0; i < 2; i++)
-    if (bytes[i])
+    for (unsigned o = 0; o < bytes[i]; o += MK_COPY_BYTES) {
+      const unsigned nb = min(bytes[i] - o, (unsigned)MK_COPY_BYTES);
       asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(at[i]), "l"(src[i]), "r"(bytes[i]), "r"(bar) : "memory");
+                   ::"r"(at[i] + o), "l"(reinterpret_cast<const char*>(src[i]) + o), "r"(nb), "r"(bar) : "memory");
+    }
 }
 
 // Thread 0, before the instruction waits on its counters: plan the instruction's stream
