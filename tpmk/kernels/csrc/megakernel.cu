@@ -2,7 +2,7 @@
 // The grid holds `num_local_ranks * sms_per_rank` CTAs: CTA i runs queue
 // (i % sms_per_rank) of rank (i / sms_per_rank) with that rank's KernelArgs
 // (virtual TP: several ranks in one launch on one GPU; one process per GPU: 1 rank).
-// Per CTA: fetch instruction i + 2 into a 3-slot ring, start streaming instruction i's
+// Per CTA: fetch instruction i + 2 into a 3-slot ring, start copying instruction i's
 // weights into shared memory (mk_stream.cuh) and ask L2 for those of instruction i + 1
 // (weights never depend on activations: they flow while this SM waits), wait on
 // instruction i's counters, run the op, signal. Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
@@ -34,11 +34,19 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
   __syncthreads();
   const KernelArgs& a = sa;
   const int* hdr = reinterpret_cast<const int*>(a.header);
-  if (threadIdx.x == 0) ring_init(a, hdr[isa::H_BATCH]);   // read after the loop's first barrier
+  const int batch = hdr[isa::H_BATCH];
   const unsigned epoch = (unsigned)hdr[isa::H_EPOCH];
   const int* instr = reinterpret_cast<const int*>(a.instructions);
   const int i0 = reinterpret_cast<const int*>(a.queue_start)[sm];
   const int i1 = reinterpret_cast<const int*>(a.queue_start)[sm + 1];
+  // Thread 0 plans each instruction's weight stream one instruction ahead (the loop's top
+  // barrier publishes it); skipped instructions (stop_after) stream nothing.
+  auto skipped = [&](const int* p) { return a.stop_after >= 0 && p[isa::F_ARG4] > a.stop_after; };
+  auto plan = [&](const int* p) { stream_plan(a, p == nullptr || skipped(p) ? nullptr : p, batch); };
+  if (threadIdx.x == 0) {
+    ring_init(a, batch);
+    plan(i0 < i1 ? instr + i0 * isa::INSTR_WORDS : nullptr);
+  }
   unsigned long long* prof = reinterpret_cast<unsigned long long*>(a.profile);
   if (threadIdx.x < 2 * isa::INSTR_WORDS && i0 + threadIdx.x / isa::INSTR_WORDS < i1)
     sins[threadIdx.x / isa::INSTR_WORDS][threadIdx.x % isa::INSTR_WORDS] =
@@ -49,12 +57,16 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     const int* ins = sins[cur];
     if (threadIdx.x < isa::INSTR_WORDS && i + 2 < i1)
       sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
-    if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
+    if (skipped(ins)) {
+      if (threadIdx.x == 0) plan(i + 1 < i1 ? sins[(cur + 1) % 3] : nullptr);
+      continue;
+    }
+    // This instruction's weights: its first stages into the shared-memory ring when it
+    // streams (every thread copies; the lookahead below already brought them into L2),
+    // else an L2 hint; then the next instruction's into L2. All of it flows while this
+    // SM waits on its counters.
+    stream_start(smem);
     if (threadIdx.x == 0) {
-      // This instruction's weights: into the shared-memory ring when it streams (the
-      // lookahead below already brought their start into L2), else an L2 hint; then the
-      // next instruction's into L2. All of it flows while this SM waits on its counters.
-      stream_start(a, ins, hdr[isa::H_BATCH], smem);
       if (ring().total == 0) prefetch_instruction(a, ins, hdr);
 #ifndef MK_NO_NEXT_PREFETCH
       if (i + 1 < i1) prefetch_instruction(a, sins[(cur + 1) % 3], hdr);
@@ -91,6 +103,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     if (threadIdx.x == 0) {
       if (prof) prof[2 * i + 1] = globaltimer();
       signal_counter(a, ins);
+      plan(i + 1 < i1 ? sins[(cur + 1) % 3] : nullptr);
     }
   }
 }

@@ -1,15 +1,22 @@
-// Weight streaming for the CUDA-core matvec (batches below MMA_MIN_BATCH): the TMA unit
-// copies a linear instruction's weight tile, a few whole rows at a time, into a ring of
-// shared-memory stages (cp.async.bulk + one mbarrier per stage). Thread 0 fills the first
-// stages BEFORE the instruction waits on its counters (weights never depend on the step's
-// activations, so they stream while the SM waits for its inputs) and refills a stage as
-// soon as the block has consumed it: up to nstages * STAGE_BYTES stay in flight while the
-// block computes, instead of one register burst per warp at a time.
+// Weight streaming for the CUDA-core matvec (batches below MMA_MIN_BATCH): a linear
+// instruction's weight tile flows, a few whole rows at a time, through a ring of
+// shared-memory stages filled with cp.async (16 bytes per thread per copy, all threads
+// issue). The first stages are issued BEFORE the instruction waits on its counters
+// (weights never depend on the step's activations, so they stream while the SM waits for
+// its inputs); a stage's slot is refilled as soon as the block has consumed it, so up to
+// nstages - 1 stages stay in flight while the block computes.
+// (A TMA version, cp.async.bulk + mbarrier issued by one thread, measured 18.4 ms per
+// 70B-rank step against 11.6 ms for plain loads on an H200: the bulk copies did not keep
+// enough bytes in flight. cp.async fans the copies out over every thread, like loads.)
 //
 // Shared memory of a streamed linear() (f32 words from the dynamic base; nb = rows per pass):
 //   red [NWARPS * BATCH_CHUNK] | xs [nb * kmax] | outs [nb * out_max] | partials [2 * PBUF_WORDS] | ring
-// The layout depends only on the launch's batch, so it is fixed for the whole launch and
-// a stage's mbarrier parity follows from a per-CTA running stage count.
+// The layout depends only on the launch's batch, so it is fixed for the whole launch.
+//
+// Copy groups: every thread commits exactly one cp.async group per issued stage (possibly
+// empty), so all threads count groups alike. Stage j of an instruction is waited for with
+// "at most issued - j - 1 groups pending", then one __syncthreads publishes every thread's
+// part; the same barrier proves stage j - 1 consumed, so its slot is refilled right there.
 #pragma once
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
@@ -19,9 +26,6 @@
 #endif
 #ifndef MK_RING_MAX
 #define MK_RING_MAX 12
-#endif
-#ifndef MK_COPY_BYTES
-#define MK_COPY_BYTES (1 << 30)   // one bulk copy per row block of a stage (tuning: split them)
 #endif
 constexpr int STAGE_BYTES = MK_STAGE_BYTES;
 constexpr int RING_MAX = MK_RING_MAX;      // stages at most (12 x 16 KB at batch 1)
@@ -75,8 +79,7 @@ __device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins,
 // Per-CTA ring state; thread 0 writes it before the instruction's "go" barrier, every
 // thread reads it inside linear().
 struct Ring {
-  unsigned long long bar[RING_MAX];
-  unsigned base;   // running stage count at this instruction's first stage
+  unsigned base;   // running stage count at this instruction's first stage (slot of its stage 0)
   int total;       // this instruction's stages (0: not streamed)
   int nstages;     // ring slots in this launch (0: streaming off)
   int outs, pbuf, off;   // outputs, partials and ring offsets (f32 words)
@@ -93,12 +96,17 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void mbar_wait(const unsigned long long* bar, unsigned parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nLAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra LAB_WAIT;\n}" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+// Wait until at most n of this thread's cp.async groups are pending (n < RING_MAX).
+__device__ __forceinline__ void cp_async_wait(int n) {
+  switch (n) {
+#define MK_WAIT_CASE(k) case k: asm volatile("cp.async.wait_group " #k ";" ::: "memory"); break;
+    MK_WAIT_CASE(0) MK_WAIT_CASE(1) MK_WAIT_CASE(2) MK_WAIT_CASE(3) MK_WAIT_CASE(4) MK_WAIT_CASE(5)
+    MK_WAIT_CASE(6) MK_WAIT_CASE(7) MK_WAIT_CASE(8) MK_WAIT_CASE(9) MK_WAIT_CASE(10)
+#undef MK_WAIT_CASE
+    default: asm volatile("cp.async.wait_group 11;" ::: "memory"); break;
+  }
 }
+static_assert(RING_MAX <= 12, "cp_async_wait covers up to 11 pending groups");
 
 // Thread 0, once per launch: the ring's place and size for this launch's batch.
 __device__ void ring_init(const KernelArgs& a, int batch) {
@@ -113,41 +121,33 @@ __device__ void ring_init(const KernelArgs& a, int batch) {
   r.nstages = !a.stream_weights || room < 2ll * STAGE_BYTES ? 0 : (int)min((long long)RING_MAX, room / STAGE_BYTES);
   r.base = 0;
   r.total = 0;
-  for (int j = 0; j < RING_MAX; j++)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&r.bar[j])) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #ifdef MK_DEBUG_RING
   if (blockIdx.x == 0) printf("ring: dyn %u B, off %d words, %d stages of %d B\n", dyn, r.off, r.nstages, STAGE_BYTES);
 #endif
 }
 
-// Thread 0: copy local stage j of the current instruction (pass j / spp, rows of stage
-// j % spp) into its slot; the slot's mbarrier completes when all its bytes have landed.
+// Every thread: its 16-byte copies of local stage j of the current instruction (pass
+// j / spp, rows of stage j % spp) into the stage's slot, as one cp.async group.
 __device__ void stream_issue(float* smem, int j) {
-  Ring& r = ring();
-  const unsigned g = r.base + j, slot = g % r.nstages;
+  const Ring& r = ring();
+  const int slot = (r.base + j) % r.nstages;
   const int s = j % r.spp, row0 = s * r.rps, n = min(r.rps, r.tile.nrows - row0);
-  const unsigned rb = r.tile.K * sizeof(wtype), bar = smem_addr(&r.bar[slot]);
+  const int rv = r.tile.K / VEC;   // 16-byte chunks per row
   const unsigned dst = smem_addr(smem + r.off) + slot * STAGE_BYTES;
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n * rb) : "memory");
-  const int k0 = min(n, max(0, r.tile.rows.n0 - row0));   // rows from region 0, then region 1
-  const wtype* src[2] = {r.tile.rows(row0), k0 < n ? r.tile.rows(row0 + k0) : nullptr};
-  const unsigned bytes[2] = {k0 * rb, (n - k0) * rb}, at[2] = {dst, dst + k0 * rb};
-  for (int i = 0; i < 2; i++)
-    for (unsigned o = 0; o < bytes[i]; o += MK_COPY_BYTES) {
-      const unsigned nb = min(bytes[i] - o, (unsigned)MK_COPY_BYTES);
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(at[i] + o), "l"(reinterpret_cast<const char*>(src[i]) + o), "r"(nb), "r"(bar) : "memory");
-    }
+  for (int c = threadIdx.x; c < n * rv; c += NTHREADS) {
+    const int row = c / rv, k = c - row * rv;
+    const wtype* src = r.tile.rows(row0 + row) + k * VEC;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * c), "l"(src) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-// Thread 0, before the instruction waits on its counters: plan the instruction's stream
-// (or none) and issue its first stages.
-__device__ void stream_start(const KernelArgs& a, const int* ins, int batch, float* smem) {
+// Thread 0, before the instruction's plan barrier: this instruction's stream, or none.
+__device__ void stream_plan(const KernelArgs& a, const int* ins, int batch) {
   Ring& r = ring();
   r.base += r.total;
   r.total = 0;
-  if (r.nstages == 0 || batch <= 0) return;
+  if (ins == nullptr || r.nstages == 0 || batch <= 0) return;
 #ifdef MK_HAS_MMA
   if (batch >= MMA_MIN_BATCH) return;   // tensor-core path
 #endif
@@ -161,7 +161,11 @@ __device__ void stream_start(const KernelArgs& a, const int* ins, int batch, flo
   r.rps = rps;
   r.spp = (t.nrows + rps - 1) / rps;
   r.total = (batch + BATCH_CHUNK - 1) / BATCH_CHUNK * r.spp;
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // after the last op's generic smem writes
+}
+
+// Every thread, after the plan barrier and before the dependency wait: the first stages.
+__device__ __forceinline__ void stream_start(float* smem) {
+  const Ring& r = ring();
   for (int j = 0; j < min(r.nstages, r.total); j++) stream_issue(smem, j);
 }
 
@@ -169,12 +173,13 @@ __device__ void stream_start(const KernelArgs& a, const int* ins, int batch, flo
 // current instruction's stream. A group of tpr threads (whole warps) takes a row: each
 // thread holds the inputs of its <= 2 sixteen-byte columns in registers, so a row costs it
 // one or two conflict-free 16-byte shared loads; warp sums go to the partials, which are
-// summed in fixed order (deterministic) after the stage's barrier.
+// summed in fixed order (deterministic) one stage later, after that stage's barrier.
 template <int NB>
 __device__ void matvec_stream_nb(int K, const float* xs, int nrows, float* outs, float* smem, int pass) {
   const Ring& r = ring();
   const int kv = K / VEC, tpr = min(NTHREADS, (kv + 31) / 32 * 32), G = NTHREADS / tpr, wpr = tpr / 32;
   const int t = threadIdx.x, grp = t / tpr, c = t % tpr, lane = t & 31, w = c >> 5;
+  const int nst = r.nstages, total = r.total, spp = r.spp, rps = r.rps;
   float xr[2][NB][VEC];
 #pragma unroll
   for (int cc = 0; cc < 2; cc++) {
@@ -190,12 +195,25 @@ __device__ void matvec_stream_nb(int K, const float* xs, int nrows, float* outs,
   }
   float* pbuf = smem + r.pbuf;
   const char* slots = reinterpret_cast<const char*>(smem + r.off);
-  for (int s = 0; s < r.spp; s++) {
-    const int j = pass * r.spp + s;
-    const unsigned g = r.base + j, slot = g % r.nstages;
-    mbar_wait(&r.bar[slot], (g / r.nstages) & 1);
-    const uint4* st = reinterpret_cast<const uint4*>(slots + slot * STAGE_BYTES);
-    const int row0 = s * r.rps, n = min(r.rps, nrows - row0);
+  // Partials of stage s of this pass -> outs (after a barrier that follows their writes).
+  auto reduce = [&](int s) {
+    const float* pb = pbuf + (s & 1) * PBUF_WORDS;
+    const int row0 = s * rps, n = min(rps, nrows - row0);
+    for (int i = t; i < n * NB; i += NTHREADS) {
+      const int jr = i / NB, b = i % NB;
+      float v = 0.f;
+      for (int q = 0; q < wpr; q++) v += pb[(jr * wpr + q) * NB + b];
+      outs[b * nrows + row0 + jr] = v;
+    }
+  };
+  for (int s = 0; s < spp; s++) {
+    const int j = pass * spp + s;
+    const int issued = min(total, max(j - 1, 0) + nst);   // groups committed so far
+    cp_async_wait(issued - j - 1);
+    __syncthreads();   // stage j landed (every thread's part); stage j - 1 consumed by all
+    if (j >= 1 && issued < total) stream_issue(smem, issued);   // = stage j - 1 + nst: j - 1's slot
+    const uint4* st = reinterpret_cast<const uint4*>(slots + ((r.base + j) % nst) * STAGE_BYTES);
+    const int row0 = s * rps, n = min(rps, nrows - row0);
     float* pb = pbuf + (s & 1) * PBUF_WORDS;
     if (grp < G) {
       for (int jr = grp; jr < n; jr += G) {
@@ -221,16 +239,11 @@ __device__ void matvec_stream_nb(int K, const float* xs, int nrows, float* outs,
         }
       }
     }
-    __syncthreads();   // the slot is free, the stage's partials complete
-    if (t == 0 && j + r.nstages < r.total) stream_issue(smem, j + r.nstages);
-    for (int i = t; i < n * NB; i += NTHREADS) {
-      const int jr = i / NB, b = i % NB;
-      float v = 0.f;
-      for (int q = 0; q < wpr; q++) v += pb[(jr * wpr + q) * NB + b];
-      outs[b * nrows + row0 + jr] = v;
-    }
+    if (s >= 1) reduce(s - 1);   // its partials were complete at this stage's barrier
   }
   __syncthreads();
+  reduce(spp - 1);
+  __syncthreads();   // outs complete; partials free for the next pass
 }
 
 __device__ void matvec_stream(int K, const float* xs, int nb, int nrows, float* outs, float* smem, int pass) {
