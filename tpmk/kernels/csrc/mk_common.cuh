@@ -212,11 +212,14 @@ __device__ __forceinline__ float* matvec_scratch() {
 
 template <int NB, typename RowFn, typename OutFn>
 __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
-  constexpr int U = NB == 1 ? 4 : 2, STEP = 32 * VEC;
+#ifndef MK_MV_U1
+#define MK_MV_U1 4
+#endif
+  constexpr int U = NB == 1 ? MK_MV_U1 : 2, STEP = 32 * VEC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int groups = (nrows + MV_ROWS - 1) / MV_ROWS;
   int ks = 1;
-  while (ks * 2 * groups <= NWARPS) ks *= 2;
+  while (ks * 2 * groups <= NWARPS) ks *= 2;   // ends with ks * groups <= NWARPS
   const int kslice = (K + ks * STEP - 1) / (ks * STEP) * STEP;
   const int kbeg = warp % ks * kslice, kend = min(K, kbeg + kslice);
   float* part = matvec_scratch();   // [NWARPS][MV_ROWS][BATCH_CHUNK] when ks > 1

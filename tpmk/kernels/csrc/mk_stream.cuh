@@ -85,6 +85,7 @@ struct Ring {
   int outs, pbuf, off;   // outputs, partials and ring offsets (f32 words)
   Tile tile;
   int rps, spp;    // rows per stage, stages per pass
+  int rot;         // stage s of a pass holds the rows of tile stage (s + rot) % spp
 };
 
 __device__ __forceinline__ Ring& ring() {
@@ -131,7 +132,7 @@ __device__ void ring_init(const KernelArgs& a, int batch) {
 __device__ void stream_issue(float* smem, int j) {
   const Ring& r = ring();
   const int slot = (r.base + j) % r.nstages;
-  const int s = j % r.spp, row0 = s * r.rps, n = min(r.rps, r.tile.nrows - row0);
+  const int s = (j % r.spp + r.rot) % r.spp, row0 = s * r.rps, n = min(r.rps, r.tile.nrows - row0);
   const int rv = r.tile.K / VEC;   // 16-byte chunks per row
   const unsigned dst = smem_addr(smem + r.off) + slot * STAGE_BYTES;
   for (int c = threadIdx.x; c < n * rv; c += NTHREADS) {
@@ -160,6 +161,11 @@ __device__ void stream_plan(const KernelArgs& a, const int* ins, int batch) {
   r.tile = t;
   r.rps = rps;
   r.spp = (t.nrows + rps - 1) / rps;
+#ifdef MK_STREAM_ROTATE   // tuning: CTAs start their tiles at different rows
+  r.rot = (int)(blockIdx.x * 7u % (unsigned)r.spp);
+#else
+  r.rot = 0;
+#endif
   r.total = (batch + BATCH_CHUNK - 1) / BATCH_CHUNK * r.spp;
 }
 
@@ -198,7 +204,7 @@ __device__ void matvec_stream_nb(int K, const float* xs, int nrows, float* outs,
   // Partials of stage s of this pass -> outs (after a barrier that follows their writes).
   auto reduce = [&](int s) {
     const float* pb = pbuf + (s & 1) * PBUF_WORDS;
-    const int row0 = s * rps, n = min(rps, nrows - row0);
+    const int row0 = (s + r.rot) % spp * rps, n = min(rps, nrows - row0);
     for (int i = t; i < n * NB; i += NTHREADS) {
       const int jr = i / NB, b = i % NB;
       float v = 0.f;
@@ -213,7 +219,7 @@ __device__ void matvec_stream_nb(int K, const float* xs, int nrows, float* outs,
     __syncthreads();   // stage j landed (every thread's part); stage j - 1 consumed by all
     if (j >= 1 && issued < total) stream_issue(smem, issued);   // = stage j - 1 + nst: j - 1's slot
     const uint4* st = reinterpret_cast<const uint4*>(slots + ((r.base + j) % nst) * STAGE_BYTES);
-    const int row0 = s * rps, n = min(rps, nrows - row0);
+    const int row0 = (s + r.rot) % spp * rps, n = min(rps, nrows - row0);
     float* pb = pbuf + (s & 1) * PBUF_WORDS;
     if (grp < G) {
       for (int jr = grp; jr < n; jr += G) {
