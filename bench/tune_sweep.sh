@@ -3,6 +3,7 @@
 # list of NAME=VALUE macros ("" = the default build). All variants compile in parallel
 # first (NVRTC, disk cache), then bench/decode.py times each on the GPU alone.
 #   SWEEP_BENCH: bench/decode.py arguments (default: batch 1, ctx 1024, no baseline)
+#   SWEEP_PROFILE=1: a per-instruction trace of each variant, summarized by bench/profile_stats.py
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"
@@ -19,9 +20,9 @@ for v in "$@"; do
   i=$((i + 1))
   echo "== variant $i: ${v:-default}"
   timeout ${BENCH_TIMEOUT:-120} python3 bench/decode.py ${SWEEP_BENCH:---batch 1 --ctx 1024 --no-baseline --iters 5} \
-    ${v:+--define $v} --out "$OUT/sweep$i" 2>&1 | tail -n +3
+    ${v:+--define $v} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3
 done
 for t in "$OUT"/trace*.json; do
-  [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t"
+  [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t" | head -9
 done
 echo "== all done at $(( $(date +%s) - t0 )) s"
