@@ -84,7 +84,7 @@ class Megakernel:
     def __init__(self, cfg: ModelConfig, sched: Schedule, shards: list[RankWeights],
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  loopback: bool = False, timeout_s: float = 5.0, profile: bool = False,
-                 max_pages_per_seq: int = 0, defines: tuple[str, ...] = (), stream_weights: bool = True):
+                 max_pages_per_seq: int = 0, defines: tuple[str, ...] = (), stream_weights: bool = False):
         from cuda.bindings import driver as cu
         self.cu, self.cfg, self.sched = cu, cfg, sched
         n_local = len(shards)
@@ -182,10 +182,11 @@ class Megakernel:
         if optin - static < self.smem:
             raise ValueError(f"megakernel needs {self.smem} B of dynamic shared memory, the device "
                              f"allows {optin - static} B; lower BATCH_CHUNK or tile sizes")
-        self.smem = optin - static
+        self.smem_min, self.smem_max = self.smem, optin - static
         _check(cu.cuFuncSetAttribute(
             self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            self.smem), "cuFuncSetAttribute")
+            self.smem_max), "cuFuncSetAttribute")
+        self.set_stream_weights(stream_weights)
         self.n_local, self.epoch, self.batch = n_local, 0, 0
 
     def _upload_args(self) -> None:
@@ -193,10 +194,13 @@ class Megakernel:
         self.args_dev = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.header.device)
 
     def set_stream_weights(self, on: bool) -> None:
-        """Stream the CUDA-core matvecs' weights through the shared-memory ring (default) or
-        read them with plain 16-byte loads (A/B timing, debugging)."""
+        """Experimental: stream the CUDA-core matvecs' weights through a shared-memory ring
+        (mk_stream.cuh; launched with all the shared memory a block may have) instead of
+        plain 16-byte loads. Off by default: slower on an H200 (bench/decode.py
+        --compare-stream; 2026-12-03, batch 1: 22.6 ms vs 11.8 ms per 70B-rank step)."""
         for a in self.args:
             a.stream_weights = int(on)
+        self.smem = self.smem_max if on else self.smem_min
         self._upload_args()
 
     def set_stop_after(self, stage: int) -> None:

@@ -1,3 +1,4 @@
+// EXPERIMENTAL, off by default (KernelArgs.stream_weights; Megakernel(stream_weights=True)).
 // Weight streaming for the CUDA-core matvec (batches below MMA_MIN_BATCH): a linear
 // instruction's weight tile flows, a few whole rows at a time, through a ring of
 // shared-memory stages filled with cp.async (16 bytes per thread per copy, all threads
@@ -5,9 +6,12 @@
 // (weights never depend on the step's activations, so they stream while the SM waits for
 // its inputs); a stage's slot is refilled as soon as the block has consumed it, so up to
 // nstages - 1 stages stay in flight while the block computes.
-// (A TMA version, cp.async.bulk + mbarrier issued by one thread, measured 18.4 ms per
-// 70B-rank step against 11.6 ms for plain loads on an H200: the bulk copies did not keep
-// enough bytes in flight. cp.async fans the copies out over every thread, like loads.)
+// Measured on an H200 (2026-12-03, one Llama-3-70B tp=8 rank, batch 1, ctx 1024): 22.6 ms
+// per step against 11.8 ms with plain loads; a TMA version (cp.async.bulk + mbarrier) gave
+// 18.4 ms, 14.8 ms with 32 KB stages. Per stage ~1.2 us fixed + 16 KB at ~20 GB/s per SM:
+// every stage pays about one memory round trip although ~10 are in flight, so the whole
+// chip sees ~1.2 TB/s. Open question (needs ncu): why whole-row streams get so much less
+// DRAM throughput than the plain matvec's 56 concurrent 2 KB row pieces per SM.
 //
 // Shared memory of a streamed linear() (f32 words from the dynamic base; nb = rows per pass):
 //   red [NWARPS * BATCH_CHUNK] | xs [nb * kmax] | outs [nb * out_max] | partials [2 * PBUF_WORDS] | ring
