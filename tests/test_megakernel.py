@@ -14,10 +14,10 @@ PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 2
 PAGE, PAGES_PER_SEQ = 16, 8
 
 
-def _pair(cfg, tp, bucket, shards_cpu, sms=None, stream_weights=False):
+def _pair(cfg, tp, bucket, shards_cpu, sms=None, stream_weights=False, splits=0):
     from tpmk.kernels.megakernel import Megakernel
     sms = sms or min(16, torch.cuda.get_device_properties(0).multi_processor_count // tp)
-    sched = build_schedule(cfg, tp, bucket, sms)
+    sched = build_schedule(cfg, tp, bucket, sms, num_splits=splits)
     n_pages = bucket * PAGES_PER_SEQ
     kc, vc = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
     vm = VM(cfg, sched, shards_cpu, kc, vc)
@@ -72,6 +72,18 @@ def test_tiny_matches_interpreter_64_steps(name, tp):
     worst = max(worst, _compare_run(vm, mk, [[9, 10, 11, 12]], 4, f"{name} tp{tp} b1"))
     worst = max(worst, _compare_run(vm, mk, PROMPTS + [[1, 2]], 4, f"{name} tp{tp} b4"))
     print(f"{name} tp{tp}: max rel logit err {worst:.2e} over batch 3 x 64 steps, batch 1, batch 4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 32])
+def test_attention_split_extremes(splits):
+    """One split (no merge) and 32 splits (the merge's one-lane-per-split limit; most
+    splits see one or no token of these short prompts)."""
+    cfg = ModelConfig.from_name("llama-3.2-1b").replace(num_hidden_layers=2)
+    shards = random_shards(cfg, 8, seed=3)
+    vm, mk = _pair(cfg, 8, 2, shards, splits=splits)
+    worst = _compare_run(vm, mk, [[1, 2, 3, 128000], [77, 66]], 40, f"1b tp8 splits {splits}")
+    print(f"llama-3.2-1b shapes tp8, {splits} attention splits: max rel logit err {worst:.2e}")
 
 
 @pytest.mark.gpu
