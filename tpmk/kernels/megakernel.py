@@ -194,10 +194,12 @@ class Megakernel:
         self.args_dev = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.header.device)
 
     def set_stream_weights(self, on: bool) -> None:
-        """Experimental: stream the CUDA-core matvecs' weights through a shared-memory ring
-        (mk_stream.cuh; launched with all the shared memory a block may have) instead of
-        plain 16-byte loads. Off by default: slower on an H200 (bench/decode.py
-        --compare-stream; 2026-12-03, batch 1: 22.6 ms vs 11.8 ms per 70B-rank step)."""
+        """Experimental: stream the CUDA-core matvecs' weights through a per-thread
+        shared-memory cp.async ring (mk_stream.cuh; launched with all the shared memory a
+        block may have), first steps issued before each instruction's dependency wait,
+        instead of plain 16-byte loads. Off by default: the earlier block-wide design was
+        slower on an H200 (22.7 vs 11.5 ms per 70B-rank step at batch 1); this one is not
+        yet measured (bench/decode.py --compare-stream)."""
         for a in self.args:
             a.stream_weights = int(on)
         self.smem = self.smem_max if on else self.smem_min

@@ -39,14 +39,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
   const int* instr = reinterpret_cast<const int*>(a.instructions);
   const int i0 = reinterpret_cast<const int*>(a.queue_start)[sm];
   const int i1 = reinterpret_cast<const int*>(a.queue_start)[sm + 1];
-  // Thread 0 plans each instruction's weight stream one instruction ahead (the loop's top
-  // barrier publishes it); skipped instructions (stop_after) stream nothing.
-  auto skipped = [&](const int* p) { return a.stop_after >= 0 && p[isa::F_ARG4] > a.stop_after; };
-  auto plan = [&](const int* p) { stream_plan(a, p == nullptr || skipped(p) ? nullptr : p, batch); };
-  if (threadIdx.x == 0) {
-    ring_init(a, batch);
-    plan(i0 < i1 ? instr + i0 * isa::INSTR_WORDS : nullptr);
-  }
+  if (threadIdx.x == 0) ring_init(a, batch);   // read after the loop's first barrier
   unsigned long long* prof = reinterpret_cast<unsigned long long*>(a.profile);
   if (threadIdx.x < 2 * isa::INSTR_WORDS && i0 + threadIdx.x / isa::INSTR_WORDS < i1)
     sins[threadIdx.x / isa::INSTR_WORDS][threadIdx.x % isa::INSTR_WORDS] =
@@ -57,17 +50,13 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     const int* ins = sins[cur];
     if (threadIdx.x < isa::INSTR_WORDS && i + 2 < i1)
       sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
-    if (skipped(ins)) {
-      if (threadIdx.x == 0) plan(i + 1 < i1 ? sins[(cur + 1) % 3] : nullptr);
-      continue;
-    }
-    // This instruction's weights: its first stages into the shared-memory ring when it
-    // streams (every thread copies; the lookahead below already brought them into L2),
-    // else an L2 hint; then the next instruction's into L2. All of it flows while this
-    // SM waits on its counters.
-    stream_start(smem);
+    if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
+    // This instruction's weights: every thread's first steps into its shared-memory ring
+    // when it streams (experimental, mk_stream.cuh), else an L2 hint; then the next
+    // instruction's into L2. All of it flows while this SM waits on its counters.
+    const bool streams = stream_start(a, ins, batch, smem);
     if (threadIdx.x == 0) {
-      if (ring().total == 0) prefetch_instruction(a, ins, hdr);
+      if (!streams) prefetch_instruction(a, ins, hdr);
 #ifndef MK_NO_NEXT_PREFETCH
       if (i + 1 < i1) prefetch_instruction(a, sins[(cur + 1) % 3], hdr);
 #endif
@@ -103,7 +92,6 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     if (threadIdx.x == 0) {
       if (prof) prof[2 * i + 1] = globaltimer();
       signal_counter(a, ins);
-      plan(i + 1 < i1 ? sins[(cur + 1) % 3] : nullptr);
     }
   }
 }

@@ -210,6 +210,79 @@ __device__ __forceinline__ float* matvec_scratch() {
   return part;
 }
 
+// How a block splits a matvec of nrows x K: MV_ROWS-row groups, and with few groups K
+// slices too (ks * groups <= NWARPS). Warp w takes groups w / ks, w / ks + NWARPS / ks, ...
+// over K columns [kbeg, kend). Shared by the plain matvec and the weight stream (mk_stream.cuh).
+struct MvSplit {
+  int groups, ks, kbeg, kend;
+};
+
+__device__ __forceinline__ MvSplit mv_split(int K, int nrows) {
+  constexpr int STEP = 32 * VEC;
+  MvSplit m;
+  m.groups = (nrows + MV_ROWS - 1) / MV_ROWS;
+  m.ks = 1;
+  while (m.ks * 2 * m.groups <= NWARPS) m.ks *= 2;   // ends with ks * groups <= NWARPS
+  const int kslice = (K + m.ks * STEP - 1) / (m.ks * STEP) * STEP, warp = threadIdx.x >> 5;
+  m.kbeg = warp % m.ks * kslice;
+  m.kend = min(K, m.kbeg + kslice);
+  return m;
+}
+
+// A warp's row-group sums -> out (ks == 1) or the split-K partials; every thread of the block.
+template <int NB, typename OutFn>
+__device__ __forceinline__ void mv_group_out(const MvSplit& m, int r0, int nrows, float (&acc)[MV_ROWS][NB], OutFn out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* part = matvec_scratch();
+#pragma unroll
+  for (int j = 0; j < MV_ROWS; j++)
+#pragma unroll
+    for (int b = 0; b < NB; b++) {
+      const float t = warp_sum(acc[j][b]);
+      if (lane == 0) {
+        if (m.ks > 1) part[(warp * MV_ROWS + j) * BATCH_CHUNK + b] = t;
+        else if (r0 + j < nrows) out(r0 + j, b, t);
+      }
+    }
+}
+
+// The split-K partials summed in fixed order (deterministic); block-uniform, after every group.
+template <int NB, typename OutFn>
+__device__ __forceinline__ void mv_combine(const MvSplit& m, int nrows, OutFn out) {
+  if (m.ks == 1) return;
+  const float* part = matvec_scratch();
+  __syncthreads();
+  for (int i = threadIdx.x; i < nrows * NB; i += NTHREADS) {
+    const int r = i / NB, b = i % NB, g = r / MV_ROWS, j = r % MV_ROWS;
+    float t = 0.f;
+    for (int p = 0; p < m.ks; p++) t += part[((g * m.ks + p) * MV_ROWS + j) * BATCH_CHUNK + b];
+    out(r, b, t);
+  }
+  __syncthreads();
+}
+
+// acc[j][b] += W[row j][k..k+VEC) . xs[b][k..k+VEC) for one lane's 16 bytes of each row.
+template <int NB>
+__device__ __forceinline__ void mv_fma(const float* xs, int K, int k, const uint4 (&u)[MV_ROWS], float (&acc)[MV_ROWS][NB]) {
+#pragma unroll
+  for (int b = 0; b < NB; b++) {
+    float xv[VEC];
+    const float4* xb = reinterpret_cast<const float4*>(xs + b * K + k);
+#pragma unroll
+    for (int v = 0; v < VEC / 4; v++) {
+      const float4 t = xb[v];
+      xv[4 * v] = t.x; xv[4 * v + 1] = t.y; xv[4 * v + 2] = t.z; xv[4 * v + 3] = t.w;
+    }
+#pragma unroll
+    for (int j = 0; j < MV_ROWS; j++) {
+      float f[VEC];
+      unpack(u[j], f);
+#pragma unroll
+      for (int e = 0; e < VEC; e++) acc[j][b] += f[e] * xv[e];
+    }
+  }
+}
+
 template <int NB, typename RowFn, typename OutFn>
 __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
 #ifndef MK_MV_U1
@@ -217,13 +290,8 @@ __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn ou
 #endif
   constexpr int U = NB == 1 ? MK_MV_U1 : 2, STEP = 32 * VEC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int groups = (nrows + MV_ROWS - 1) / MV_ROWS;
-  int ks = 1;
-  while (ks * 2 * groups <= NWARPS) ks *= 2;   // ends with ks * groups <= NWARPS
-  const int kslice = (K + ks * STEP - 1) / (ks * STEP) * STEP;
-  const int kbeg = warp % ks * kslice, kend = min(K, kbeg + kslice);
-  float* part = matvec_scratch();   // [NWARPS][MV_ROWS][BATCH_CHUNK] when ks > 1
-  for (int grp = warp / ks; grp < groups; grp += NWARPS / ks) {
+  const MvSplit m = mv_split(K, nrows);
+  for (int grp = warp / m.ks; grp < m.groups; grp += NWARPS / m.ks) {
     const int r0 = grp * MV_ROWS;
     const wtype* wr[MV_ROWS];
 #pragma unroll
@@ -233,59 +301,22 @@ __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn ou
     for (int j = 0; j < MV_ROWS; j++)
 #pragma unroll
       for (int b = 0; b < NB; b++) acc[j][b] = 0.f;
-    for (int k0 = kbeg + lane * VEC; k0 < kend; k0 += STEP * U) {
+    for (int k0 = m.kbeg + lane * VEC; k0 < m.kend; k0 += STEP * U) {
       uint4 u[U][MV_ROWS];
 #pragma unroll
       for (int i = 0; i < U; i++) {
         const int k = k0 + i * STEP;
 #pragma unroll
         for (int j = 0; j < MV_ROWS; j++)
-          u[i][j] = k < kend ? __ldg(reinterpret_cast<const uint4*>(wr[j] + k)) : make_uint4(0, 0, 0, 0);
+          u[i][j] = k < m.kend ? __ldg(reinterpret_cast<const uint4*>(wr[j] + k)) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int i = 0; i < U; i++) {
-        const int k = k0 + i * STEP;
-        if (k < kend) {
-#pragma unroll
-          for (int b = 0; b < NB; b++) {
-            float xv[VEC];
-            const float4* xb = reinterpret_cast<const float4*>(xs + b * K + k);
-#pragma unroll
-            for (int v = 0; v < VEC / 4; v++) {
-              const float4 t = xb[v];
-              xv[4 * v] = t.x; xv[4 * v + 1] = t.y; xv[4 * v + 2] = t.z; xv[4 * v + 3] = t.w;
-            }
-#pragma unroll
-            for (int j = 0; j < MV_ROWS; j++) {
-              float f[VEC];
-              unpack(u[i][j], f);
-#pragma unroll
-              for (int e = 0; e < VEC; e++) acc[j][b] += f[e] * xv[e];
-            }
-          }
-        }
-      }
+      for (int i = 0; i < U; i++)
+        if (k0 + i * STEP < m.kend) mv_fma<NB>(xs, K, k0 + i * STEP, u[i], acc);
     }
-#pragma unroll
-    for (int j = 0; j < MV_ROWS; j++)
-#pragma unroll
-      for (int b = 0; b < NB; b++) {
-        const float t = warp_sum(acc[j][b]);
-        if (lane == 0) {
-          if (ks > 1) part[(warp * MV_ROWS + j) * BATCH_CHUNK + b] = t;
-          else if (r0 + j < nrows) out(r0 + j, b, t);
-        }
-      }
+    mv_group_out<NB>(m, r0, nrows, acc, out);
   }
-  if (ks == 1) return;   // block-uniform
-  __syncthreads();
-  for (int i = threadIdx.x; i < nrows * NB; i += NTHREADS) {
-    const int r = i / NB, b = i % NB, g = r / MV_ROWS, j = r % MV_ROWS;
-    float t = 0.f;
-    for (int p = 0; p < ks; p++) t += part[((g * ks + p) * MV_ROWS + j) * BATCH_CHUNK + b];
-    out(r, b, t);
-  }
-  __syncthreads();
+  mv_combine<NB>(m, nrows, out);
 }
 
 template <typename RowFn, typename OutFn>

@@ -45,10 +45,11 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   }
 #endif
   float* xs = base;
-  if (ring().total > 0) {   // this instruction's weights are streaming in (linear is called once per pass)
+  if (stream_on(batch, K)) {   // one pass (batch <= BATCH_CHUNK); its first steps are in flight
     float* outs = smem + ring().outs;
     load_x(a, src, b0, nb, K, xs, red);
-    matvec_stream(K, xs, nb, nrows, outs, smem, b0 / BATCH_CHUNK);
+    matvec_ring(K, xs, nb, nrows, row, smem, outs);
+    __syncthreads();
     return outs;
   }
   float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb][nrows]
