@@ -26,14 +26,15 @@ def hf_greedy(model, prompt, steps):
     return out[0, len(prompt):].tolist(), logits[len(prompt) - 1:]
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4, 8])
-@pytest.mark.parametrize("name", ["tiny", "tiny-gqa"])
-def test_engine_matches_hf_greedy(name, tp):
+@pytest.mark.parametrize("name,tp,reduce", [(n, t, "oneshot") for n in ("tiny", "tiny-gqa")
+                                             for t in (1, 2, 4, 8)]
+                         + [("tiny-gqa", 4, "rsag"), ("tiny", 8, "rsag")])
+def test_engine_matches_hf_greedy(name, tp, reduce):
     """Prefill through the stream itself (tp 1, 4) or the reference engine (tp 2, 8)."""
     cfg = ModelConfig.from_name(name)
     model, shards = shards_for(cfg, tp, seed=tp)
     rt = RuntimeConfig(tp=tp, device="cpu", dtype="float32", max_batch=2, max_seq_len=32,
-                       page_size=PAGE, num_pages=24)
+                       page_size=PAGE, num_pages=24, reduce=reduce)
     eng = InterpreterEngine(cfg, rt, shards, prefill="stream" if tp in (1, 4) else "reference")
     pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]  # batch 3 > bucket 2: two chunks
     greedy = [SamplingParams()] * 3
@@ -53,11 +54,11 @@ def test_engine_matches_hf_greedy(name, tp):
         torch.testing.assert_close(torch.stack(logits[b]), want_logits[:steps], atol=2e-4, rtol=1e-4)
 
 
-def _vm(name, tp, bucket, num_sms, seed=0):
+def _vm(name, tp, bucket, num_sms, seed=0, reduce="oneshot"):
     cfg = ModelConfig.from_name(name)
     _, shards = shards_for(cfg, tp, seed=seed)
     kc, vc = empty_caches(cfg, tp, num_pages=24, page_size=PAGE)
-    return VM(cfg, build_schedule(cfg, tp, bucket, num_sms), shards, kc, vc)
+    return VM(cfg, build_schedule(cfg, tp, bucket, num_sms, reduce=reduce), shards, kc, vc)
 
 
 def _run_prompts(vm, order, seed):
@@ -71,16 +72,29 @@ def _run_prompts(vm, order, seed):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("name,tp", [("tiny", 2), ("tiny-gqa", 4), ("tiny", 8)])
-def test_adversarial_orders_are_bit_identical(name, tp):
-    base = _run_prompts(_vm(name, tp, 2, 3), "program", 0)
+@pytest.mark.parametrize("name,tp,reduce", [("tiny", 2, "oneshot"), ("tiny-gqa", 4, "oneshot"),
+                                             ("tiny", 8, "oneshot"), ("tiny-gqa", 4, "rsag"),
+                                             ("tiny", 8, "rsag")])
+def test_adversarial_orders_are_bit_identical(name, tp, reduce):
+    base = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce), "program", 0)
     assert torch.isfinite(base).all()
     for order, seed in [("queue", 1), ("queue", 2), ("adversarial", 3), ("adversarial", 4)]:
-        got = _run_prompts(_vm(name, tp, 2, 3), order, seed)
+        got = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce), order, seed)
         assert torch.equal(got, base), f"{order} seed {seed} differs from program order"
 
 
-def test_mutation_removing_any_dependency_is_detected():
+@pytest.mark.parametrize("name,tp,sms", [("tiny", 2, 3), ("tiny-gqa", 4, 5), ("tiny-gqa", 8, 2)])
+def test_reduce_scatter_all_gather_equals_one_shot(name, tp, sms):
+    """Both reductions sum the tp partials of a column in rank order: same bits. (One-shot
+    itself is checked against HF above.) sms=2 < tp: a rank owns several tiles or none."""
+    oneshot = _run_prompts(_vm(name, tp, 2, sms), "program", 0)
+    rsag = _run_prompts(_vm(name, tp, 2, sms, reduce="rsag"), "adversarial", 1)
+    assert torch.isfinite(rsag).all()
+    assert torch.equal(rsag, oneshot)
+
+
+@pytest.mark.parametrize("reduce", ["oneshot", "rsag"])
+def test_mutation_removing_any_dependency_is_detected(reduce):
     """Remove one declared wait at a time (one instruction per (opcode, layer, wait) group)
     and run adversarial orders; a detected mutation changes logits or tokens.
 
@@ -90,8 +104,8 @@ def test_mutation_removing_any_dependency_is_detected():
     before its producer in most orders: we expect every mutation to be caught and
     require >= 90 % so a regression in the adversarial runner fails loudly."""
     name, tp, bucket, sms, seeds = "tiny-gqa", 2, 2, 3, 3
-    base = _run_prompts(_vm(name, tp, bucket, sms), "program", 0)
-    vm = _vm(name, tp, bucket, sms)
+    base = _run_prompts(_vm(name, tp, bucket, sms, reduce=reduce), "program", 0)
+    vm = _vm(name, tp, bucket, sms, reduce=reduce)
     groups = {}
     for idx, ins in enumerate(vm.sched.instructions):
         for w in range(len(ins.waits)):
@@ -100,7 +114,7 @@ def test_mutation_removing_any_dependency_is_detected():
     rng = random.Random(0)
     detected, missed = 0, []
     for key, idxs in sorted(groups.items()):
-        vm = _vm(name, tp, bucket, sms)
+        vm = _vm(name, tp, bucket, sms, reduce=reduce)
         victim = vm.sched.instructions[rng.choice(idxs)]
         victim.waits = [wt for i, wt in enumerate(victim.waits) if i != key[3]]
         caught = False
@@ -113,14 +127,14 @@ def test_mutation_removing_any_dependency_is_detected():
             if not torch.equal(got, base):
                 caught = True
                 break
-            vm = _vm(name, tp, bucket, sms)
+            vm = _vm(name, tp, bucket, sms, reduce=reduce)
             victim = vm.sched.instructions[rng.choice(idxs)]
             victim.waits = [wt for i, wt in enumerate(victim.waits) if i != key[3]]
         detected += caught
         if not caught:
             missed.append(key)
     frac = detected / len(groups)
-    print(f"mutation test: {detected}/{len(groups)} dependency removals detected "
+    print(f"mutation test ({reduce}): {detected}/{len(groups)} dependency removals detected "
           f"({frac:.0%}); missed: {missed}")
     assert frac >= 0.9, f"only {frac:.0%} of removed dependencies detected; missed {missed}"
 

@@ -14,10 +14,10 @@ PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 2
 PAGE, PAGES_PER_SEQ = 16, 8
 
 
-def _pair(cfg, tp, bucket, shards_cpu, sms=None, stream_weights=False, splits=0):
+def _pair(cfg, tp, bucket, shards_cpu, sms=None, stream_weights=False, splits=0, reduce="oneshot"):
     from tpmk.kernels.megakernel import Megakernel
     sms = sms or min(16, torch.cuda.get_device_properties(0).multi_processor_count // tp)
-    sched = build_schedule(cfg, tp, bucket, sms, num_splits=splits)
+    sched = build_schedule(cfg, tp, bucket, sms, num_splits=splits, reduce=reduce)
     n_pages = bucket * PAGES_PER_SEQ
     kc, vc = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
     vm = VM(cfg, sched, shards_cpu, kc, vc)
@@ -84,6 +84,20 @@ def test_attention_split_extremes(splits):
     vm, mk = _pair(cfg, 8, 2, shards, splits=splits)
     worst = _compare_run(vm, mk, [[1, 2, 3, 128000], [77, 66]], 40, f"1b tp8 splits {splits}")
     print(f"llama-3.2-1b shapes tp8, {splits} attention splits: max rel logit err {worst:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,tp,bucket", [("tiny-gqa", 2, 4), ("tiny", 8, 4), ("tiny-gqa", 4, 72)])
+def test_reduce_scatter_all_gather(name, tp, bucket):
+    """reduce="rsag": o_proj/down partials to the tile's owner only, the owner's residual
+    writes every rank's x. Same instruction stream on the interpreter (itself checked
+    bit-identical to one-shot, tests/test_interpreter.py)."""
+    cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
+    _, shards = shards_for(cfg, tp, seed=7, dtype=torch.bfloat16)
+    vm, mk = _pair(cfg, tp, bucket, shards, reduce="rsag")
+    prompts = PROMPTS if bucket == 4 else [[b % 200 + 1, 7, 9] for b in range(70)]
+    worst = _compare_run(vm, mk, prompts, 16, f"{name} tp{tp} rsag")
+    print(f"{name} tp{tp} reduce-scatter + all-gather, batch {len(prompts)}: max rel logit err {worst:.2e}")
 
 
 @pytest.mark.gpu
@@ -234,6 +248,19 @@ def test_op_by_op_diff_tool():
     assert len(rows) == len(mk.sched.stage_names)
     for s, name, errs in rows:
         assert max(errs.values()) < 1e-3, f"stage {s} {name}: {errs}"
+
+
+def test_loopback_refuses_reduce_scatter_schedule():
+    """One rank alone cannot run an all-gather schedule (other ranks own most tiles): a
+    clear error before anything touches a GPU, not a timeout."""
+    pytest.importorskip("cuda.bindings")
+    from tpmk.kernels.megakernel import Megakernel
+    cfg = ModelConfig.from_name("tiny")
+    sched = build_schedule(cfg, 2, 1, 3, reduce="rsag")
+    _, shards = shards_for(cfg, 2)
+    kc, vc = empty_caches(cfg, 2, 4, 16)
+    with pytest.raises(ValueError, match="reduce='oneshot'"):
+        Megakernel(cfg, sched, shards[:1], kc[:1], vc[:1], loopback=True)
 
 
 def test_profile_trace_events_without_gpu():

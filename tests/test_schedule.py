@@ -11,18 +11,27 @@ CASES = [("tiny", 1, 1, 3), ("tiny", 8, 4, 5), ("tiny-gqa", 4, 3, 7), ("llama-3.
          ("llama-3-70b", 8, 1, 132), ("llama-3-70b", 8, 128, 132)]
 
 
+@pytest.mark.parametrize("reduce", ["oneshot", "rsag"])
 @pytest.mark.parametrize("name,tp,bucket,sms", CASES)
-def test_counts_match_producers(name, tp, bucket, sms):
-    s = build_schedule(ModelConfig.from_name(name), tp, bucket, sms)
-    # increments one rank's counter receives per step: local signals once, peer signals from every rank
-    arrivals = Counter()
+def test_counts_match_producers(name, tp, bucket, sms, reduce):
+    s = build_schedule(ModelConfig.from_name(name), tp, bucket, sms, reduce=reduce)
+    # increments each rank's counters receive per step, from every rank that runs a producer
+    arrivals = [Counter() for _ in range(tp)]
     for ins in s.instructions:
-        if ins.signal >= 0:
-            arrivals[ins.signal] += tp if ins.signal_peers else 1
+        if ins.signal < 0:
+            continue
+        for q in range(tp):
+            if ins.runs_on(q, tp):
+                for r in ins.signal_ranks(q, tp):
+                    arrivals[r][ins.signal] += 1
     for ins in s.instructions:
-        for c, n in ins.waits:
-            assert arrivals[c] == n, (f"{ins}: waits for {n} on {s.counter_names[c]}, "
-                                      f"which receives {arrivals[c]} per step")
+        for r in range(tp):
+            if not ins.runs_on(r, tp):
+                continue
+            for c, n in ins.waits:
+                assert arrivals[r][c] == n, (f"{ins} on rank {r}: waits for {n} on "
+                                             f"{s.counter_names[c]}, which receives "
+                                             f"{arrivals[r][c]} per step")
 
 
 @pytest.mark.parametrize("name,tp,bucket,sms", CASES)

@@ -244,10 +244,13 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     seed: int = 0
     profile: str = ""             # megakernel: Chrome-trace JSON of the latest decode step
+    reduce: str = "oneshot"       # instruction-stream engines: oneshot | rsag (kernels/schedule.py)
 
     def __post_init__(self):
         if self.tp not in (1, 2, 4, 8):
             raise ValueError(f"tp={self.tp} is not supported; use 1, 2, 4 or 8")
+        if self.reduce not in ("oneshot", "rsag"):
+            raise ValueError(f"reduce={self.reduce!r} is not supported; use oneshot or rsag")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.num_pages == 0:

@@ -93,7 +93,8 @@ class InterpreterEngine:
         return "cpu"
 
     def build_vm(self):
-        schedule = build_schedule(self.cfg, self.runtime.tp, self.runtime.max_batch, INTERPRETER_SMS)
+        schedule = build_schedule(self.cfg, self.runtime.tp, self.runtime.max_batch, INTERPRETER_SMS,
+                                  reduce=self.runtime.reduce)
         return VM(self.cfg, schedule, self.shards, self.k_caches, self.v_caches)
 
     def _reference_engine(self):

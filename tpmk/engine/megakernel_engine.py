@@ -30,7 +30,8 @@ class MegakernelEngine(InterpreterEngine):
 
     def build_vm(self):
         sms = torch.cuda.get_device_properties(0).multi_processor_count // self.runtime.tp
-        schedule = build_schedule(self.cfg, self.runtime.tp, self.runtime.max_batch, sms)
+        schedule = build_schedule(self.cfg, self.runtime.tp, self.runtime.max_batch, sms,
+                                  reduce=self.runtime.reduce)
         max_pages = -(-self.runtime.max_seq_len // self.runtime.page_size)
         return Megakernel(self.cfg, schedule, self.shards, self.k_caches, self.v_caches,
                           max_pages_per_seq=max_pages, profile=bool(self.runtime.profile))

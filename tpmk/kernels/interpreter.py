@@ -110,15 +110,18 @@ class VM:
             self.pages[b, :len(p)] = torch.tensor(p)
 
     def ready(self, rank: int, ins: Instruction) -> bool:
-        return all(self.counters[rank][c] >= self.epoch * n for c, n in ins.waits)
+        return not ins.runs_on(rank, self.tp) or all(
+            self.counters[rank][c] >= self.epoch * n for c, n in ins.waits)
 
     stop_after = -1  # debug: skip instructions of stages after this one (op-by-op diff)
 
     def run(self, rank: int, ins: Instruction) -> None:
+        if not ins.runs_on(rank, self.tp):   # an all-gather tile this rank does not own
+            return
         if self.stop_after < 0 or ins.arg4 <= self.stop_after:
             ins.execute(self, rank)
         if ins.signal >= 0:
-            for r in (range(self.tp) if ins.signal_peers else (rank,)):
+            for r in ins.signal_ranks(rank, self.tp):
                 self.counters[r][ins.signal] += 1
 
     def step(self, tokens, positions, pages, order: str = "program", seed: int = 0,
@@ -177,12 +180,14 @@ class VM:
         for r in range(self.tp):
             for idx, ins in enumerate(instrs):
                 prio[(r, idx)] = rng.random()
-                missing = [(c, n) for c, n in ins.waits if self.counters[r][c] < self.epoch * n]
+                waits = ins.waits if ins.runs_on(r, self.tp) else []
+                missing = [(c, n) for c, n in waits if self.counters[r][c] < self.epoch * n]
                 if not missing:
                     heapq.heappush(heap, (prio[(r, idx)], r, idx))
                 for c, n in missing:
                     waiting.setdefault((r, c), []).append((r, idx, n))
         pending = {(r, idx): sum(self.counters[r][c] < self.epoch * n for c, n in ins.waits)
+                   if ins.runs_on(r, self.tp) else 0
                    for r in range(self.tp) for idx, ins in enumerate(instrs)}
         done = 0
         while heap:
@@ -190,9 +195,9 @@ class VM:
             ins = instrs[idx]
             self.run(r, ins)
             done += 1
-            if ins.signal < 0:
+            if ins.signal < 0 or not ins.runs_on(r, self.tp):
                 continue
-            for tr in (range(self.tp) if ins.signal_peers else (r,)):
+            for tr in ins.signal_ranks(r, self.tp):
                 val = self.counters[tr][ins.signal]
                 for wr, widx, n in waiting.get((tr, ins.signal), []):
                     if val == self.epoch * n:       # crossed the threshold just now

@@ -8,7 +8,8 @@ the checked-in header drifts from this file.
 - Dependencies are counters (uint32, one per COUNTER_STRIDE words so each
   sits on its own 128-byte line) that only grow: an instruction waits until
   `counter >= epoch * count` (wrap-around safe compare) and, when done, adds
-  1 to its signal counter on its own rank or on every rank (`SIGNAL_PEERS`).
+  1 to its signal counter on its own rank, on every rank or on its tile's owner
+  rank (`SIGNAL_PEERS` bits, `SignalBits`).
 - The step header (int32 words in device memory) carries everything that
   changes per step: epoch, batch size, tokens, positions, page tables.
 - `KernelArgs` is the per-rank kernel-argument struct (pointers + sizes).
@@ -56,10 +57,20 @@ class Field(enum.IntEnum):
     WAIT1 = 9
     COUNT1 = 10
     SIGNAL = 11     # counter id or NO_COUNTER
-    SIGNAL_PEERS = 12  # 1: add on every rank's counter, 0: own rank only
+    SIGNAL_PEERS = 12  # SignalBits: PEERS, OWNER (0: own rank's counter only)
     ARG2 = 13
     ARG3 = 14
     ARG4 = 15       # stage number in program order (debug stop_after / op-by-op diff)
+
+
+class SignalBits(enum.IntEnum):
+    """Bits of the SIGNAL_PEERS word. The owner of an instruction is rank TILE % tp.
+    PEERS: add on every rank's counter. OWNER without PEERS: every rank runs the
+    instruction and adds on the owner's counter only (reduce-scatter pushes). OWNER with
+    PEERS: only the owner runs it (others skip it, waits included) and adds on every
+    rank's counter (all-gather)."""
+    PEERS = 1
+    OWNER = 2
 
 
 class ErrorField(enum.IntEnum):
@@ -134,6 +145,7 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("peer_counters", PTR, MAX_TP),
     ("peer_attn_slots", PTR, MAX_TP),               # [tp, bucket, H] f32 on each peer
     ("peer_mlp_slots", PTR, MAX_TP),
+    ("peer_x", PTR, MAX_TP),                        # [bucket, H] f32 on each peer (all-gather)
     ("peer_cand", PTR, MAX_TP),                     # cand_shape(tp, n_lm_tiles, bucket) f32 on each peer
     ("timeout_ns", I64, 1),
     ("rank", I32, 1), ("tp", I32, 1), ("num_sms", I32, 1), ("bucket", I32, 1),
@@ -178,7 +190,8 @@ def generate_header() -> str:
         f"constexpr int TOPK = {TOPK};",
         f"constexpr int HDR_TOKENS = {int(HeaderField.TOKENS)};",
     ]
-    for cls, prefix in ((Opcode, "OP_"), (Field, "F_"), (ErrorField, "E_"), (HeaderField, "H_")):
+    for cls, prefix in ((Opcode, "OP_"), (Field, "F_"), (SignalBits, "SIG_"), (ErrorField, "E_"),
+                        (HeaderField, "H_")):
         lines += [f"constexpr int {prefix}{m.name} = {int(m)};" for m in cls]
     lines.append("}  // namespace isa")
     lines.append("")

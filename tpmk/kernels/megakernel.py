@@ -90,6 +90,9 @@ class Megakernel:
         n_local = len(shards)
         if not loopback and n_local != sched.tp:
             raise ValueError(f"virtual TP needs all tp={sched.tp} shards in one process, got {n_local}")
+        if loopback and sched.reduce != "oneshot":
+            raise ValueError(f"loopback runs one rank alone, but reduce={sched.reduce!r} needs the "
+                             f"other ranks' owner tiles; build the schedule with reduce='oneshot'")
         dev = k_caches[0].device
         if dev.type != "cuda":
             raise ValueError(f"the megakernel needs CUDA tensors, got caches on {dev}")
@@ -161,6 +164,7 @@ class Megakernel:
                 a.peer_attn_slots[p] = peer["attn_slots"].data_ptr()
                 a.peer_mlp_slots[p] = peer["mlp_slots"].data_ptr()
                 a.peer_cand[p] = peer["cand"].data_ptr()
+                a.peer_x[p] = peer["x"].data_ptr()
             a.timeout_ns = int(timeout_s * 1e9)
             a.rank, a.tp, a.num_sms, a.bucket = rank, sched.tp, sched.num_sms, B
             a.num_layers, a.hidden, a.q_heads, a.kv_heads = cfg.num_hidden_layers, H, hq, hkv

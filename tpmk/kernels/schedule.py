@@ -7,7 +7,8 @@ signalled only by an earlier stage, and each SM's queue is in stage order,
 so with all SMs of all ranks resident the schedule cannot deadlock.
 
 Counters (per rank, `Schedule.counter_names` for error messages):
-  arrive[s][j]  partial tile j of residual stage s arrived from each rank (count tp)
+  arrive[s][j]  partial tile j of residual stage s arrived from each rank (count tp;
+                with reduce="rsag" only on tile j's owner rank, j % tp)
   ready[s]      residual stage s done on this rank (count n_h_tiles)
   qkv[l], attn[l], gate_up[l]   local stage completion (count = tiles)
   lm            LM-head candidates arrived from every rank (count tp * n_lm_tiles)
@@ -34,6 +35,7 @@ class Schedule:
     bucket: int
     num_sms: int
     num_splits: int
+    reduce: str                    # REDUCE_MODES: "oneshot" or "rsag"
     h_tile: int                    # hidden columns per embed/o_proj/down/residual tile
     n_h_tiles: int
     n_lm_tiles: int
@@ -81,10 +83,23 @@ class _Counters:
         return len(self.names) - 1
 
 
+REDUCE_MODES = ("oneshot", "rsag")
+
+
 def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
-                   num_splits: int = 0) -> Schedule:
+                   num_splits: int = 0, reduce: str = "oneshot") -> Schedule:
+    """reduce: how the o_proj / down partial sums meet.
+      "oneshot": every rank pushes its partial of every hidden tile to every rank, which
+        sums all tp partials itself (one hop; tp x the traffic).
+      "rsag": reduce-scatter + all-gather: a tile's partials go to its owner rank only
+        (tile % tp), the owner sums them, adds the residual and writes the result into
+        every rank's x (two hops, 2 (tp - 1) / tp x the data per rank instead of tp - 1).
+    """
     if bucket < 1 or num_sms < 1:
         raise ValueError(f"bucket={bucket} and num_sms={num_sms} must be >= 1")
+    if reduce not in REDUCE_MODES:
+        raise ValueError(f"reduce={reduce!r}; use one of {REDUCE_MODES}")
+    rsag = reduce == "rsag"
     hq, hkv = local_heads(cfg, tp)
     D, H, L = cfg.head_dim, cfg.hidden_size, cfg.num_hidden_layers
     if D % 2:
@@ -111,8 +126,10 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
     nh = len(h_tiles)
 
     def residual_stage(s: int) -> list[Instruction]:
+        ag = rsag and s > 0   # the embedding (stage 0) always goes one-shot
         return [Residual(layer=max(0, (s - 1) // 2), tile=j, row0=c, nrows=n, arg0=s,
-                         arg1=int(s == 0), waits=[(arrive[s][j], tp)], signal=ready[s])
+                         arg1=int(s == 0), waits=[(arrive[s][j], tp)], signal=ready[s],
+                         signal_peers=ag, owner=ag)
                 for j, (c, n) in enumerate(h_tiles)]
 
     stages: list[list[Instruction]] = [
@@ -133,13 +150,13 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         for t, ins in enumerate(attn):
             ins.tile = t
         o = [OProj(layer=l, tile=j, row0=c, nrows=n, waits=[(attn_done[l], len(attn))],
-                   signal=arrive[2 * l + 1][j], signal_peers=True)
+                   signal=arrive[2 * l + 1][j], signal_peers=not rsag, owner=rsag)
              for j, (c, n) in enumerate(h_tiles)]
         gu_tiles = _tiles(inter, num_sms, 4)
         gu = [GateUp(layer=l, tile=t, row0=c, nrows=n, waits=[(ready[2 * l + 1], nh)],
                      signal=gu_done[l]) for t, (c, n) in enumerate(gu_tiles)]
         dn = [Down(layer=l, tile=j, row0=c, nrows=n, waits=[(gu_done[l], len(gu))],
-                   signal=arrive[2 * l + 2][j], signal_peers=True)
+                   signal=arrive[2 * l + 2][j], signal_peers=not rsag, owner=rsag)
               for j, (c, n) in enumerate(h_tiles)]
         stages += [qkv, attn, o, residual_stage(2 * l + 1), gu, dn, residual_stage(2 * l + 2)]
     stages.append([LmHead(tile=t, row0=r, nrows=n, waits=[(ready[2 * L], nh)], signal=lm,
@@ -158,7 +175,7 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
     for q in queues:
         flat += q
         starts.append(len(flat))
-    return Schedule(tp=tp, bucket=bucket, num_sms=num_sms, num_splits=num_splits,
+    return Schedule(tp=tp, bucket=bucket, num_sms=num_sms, num_splits=num_splits, reduce=reduce,
                     h_tile=h_tiles[0][1], n_h_tiles=nh, n_lm_tiles=len(lm_tiles),
                     instructions=flat, queue_start=starts, counter_names=ctr.names,
                     stage_names=[f"{st[0].name}[layer {st[0].layer}]" for st in stages])

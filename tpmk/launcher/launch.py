@@ -110,6 +110,10 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "max-seq-len (default)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="decode eagerly on GPU (reference engine)")
+    p.add_argument("--reduce", default=d.reduce, choices=("oneshot", "rsag"),
+                   help="interpreter / megakernel: how the o_proj and down partial sums meet; "
+                        "oneshot: every rank pushes to every rank (one hop), rsag: "
+                        "reduce-scatter to each tile's owner + all-gather (default %(default)s)")
     p.add_argument("--profile", default="", metavar="TRACE.json",
                    help="megakernel: write per-instruction start/end times of the latest decode "
                         "step as a Chrome trace (open in chrome://tracing or Perfetto)")
@@ -126,4 +130,4 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
         tp=args.tp, device=args.device, dtype=args.dtype, engine=args.engine,
         page_size=args.page_size, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
         num_pages=args.num_pages, cuda_graphs=args.cuda_graphs,
-        seed=getattr(args, "seed", None) or 0, profile=args.profile)
+        seed=getattr(args, "seed", None) or 0, profile=args.profile, reduce=args.reduce)

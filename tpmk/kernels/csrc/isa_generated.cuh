@@ -36,6 +36,8 @@ constexpr int F_SIGNAL_PEERS = 12;
 constexpr int F_ARG2 = 13;
 constexpr int F_ARG3 = 14;
 constexpr int F_ARG4 = 15;
+constexpr int SIG_PEERS = 1;
+constexpr int SIG_OWNER = 2;
 constexpr int E_FLAG = 0;
 constexpr int E_RANK = 1;
 constexpr int E_SM = 2;
@@ -82,6 +84,7 @@ struct KernelArgs {
   unsigned long long peer_counters[8];
   unsigned long long peer_attn_slots[8];
   unsigned long long peer_mlp_slots[8];
+  unsigned long long peer_x[8];
   unsigned long long peer_cand[8];
   long long timeout_ns;
   int rank;
@@ -109,4 +112,4 @@ struct KernelArgs {
   float eps;
   float attn_scale;
 };
-static_assert(sizeof(KernelArgs) == 568, "KernelArgs drifted from isa.py");
+static_assert(sizeof(KernelArgs) == 632, "KernelArgs drifted from isa.py");

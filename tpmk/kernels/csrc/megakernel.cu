@@ -51,6 +51,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     if (threadIdx.x < isa::INSTR_WORDS && i + 2 < i1)
       sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
     if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
+    if (!runs_here(a, ins)) continue;   // an all-gather tile another rank owns
     // This instruction's weights: every thread's first steps into its shared-memory ring
     // when it streams (experimental, mk_stream.cuh), else an L2 hint; then the next
     // instruction's into L2. All of it flows while this SM waits on its counters.

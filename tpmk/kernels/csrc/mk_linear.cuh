@@ -61,18 +61,21 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
 
 // A row-parallel op (o_proj, down): this instruction's tile over every batch pass, each
 // pass's [nb, n] partial sums pushed to rows b0.. of slot[rank] (columns ROW0..ROW0+n) of
-// every peer; `slots`: the peers' slot arrays ([tp, bucket, H] f32 each).
+// every peer, or of the tile's owner only (OWNER bit: reduce-scatter); `slots`: the
+// peers' slot arrays ([tp, bucket, H] f32 each).
 __device__ void linear_push(const KernelArgs& a, const int* ins, int batch, const XSrc& src,
                             const unsigned long long* slots, float* smem) {
   Tile tile;
   linear_tile(a, ins, tile);
   const int c0 = ins[isa::F_ROW0], n = tile.nrows, chunk = linear_chunk(batch, n);
+  const bool rs = ins[isa::F_SIGNAL_PEERS] & isa::SIG_OWNER;
+  const int p0 = rs ? ins[isa::F_TILE] % a.tp : 0, p1 = rs ? p0 + 1 : a.tp;
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
     const float* outs = linear(a, batch, tile.K, b0, nb, n, src, tile.rows, smem);   // [nb, n]
     for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
       const size_t off = ((size_t)a.rank * a.bucket + b0 + i / n) * a.hidden + c0 + i % n;
-      for (int p = 0; p < a.tp; p++) reinterpret_cast<float*>(slots[p])[off] = outs[i];
+      for (int p = p0; p < p1; p++) reinterpret_cast<float*>(slots[p])[off] = outs[i];
     }
     __syncthreads();
   }

@@ -75,15 +75,30 @@ __device__ bool wait_counter(const KernelArgs& a, const int* ins, int which, uns
   return true;
 }
 
-// Thread 0 only, after __syncthreads(): publish this CTA's stores and bump the counter.
+// The rank that owns an instruction's tile (reduce-scatter target, all-gather source).
+__device__ __forceinline__ int owner_rank(const KernelArgs& a, const int* ins) { return ins[isa::F_TILE] % a.tp; }
+
+// An all-gather instruction (OWNER + PEERS bits) runs on its owner rank only; the other
+// ranks skip it, waits included (its counters are only signalled on the owner).
+__device__ __forceinline__ bool runs_here(const KernelArgs& a, const int* ins) {
+  const int bits = ins[isa::F_SIGNAL_PEERS];
+  return (bits & (isa::SIG_OWNER | isa::SIG_PEERS)) != (isa::SIG_OWNER | isa::SIG_PEERS) ||
+         owner_rank(a, ins) == a.rank;
+}
+
+// Thread 0 only, after __syncthreads(): publish this CTA's stores and bump the counter on
+// this rank, on every rank (PEERS) or on the tile's owner rank (OWNER alone).
 __device__ void signal_counter(const KernelArgs& a, const int* ins) {
   const int cid = ins[isa::F_SIGNAL];
   if (cid == isa::NO_COUNTER) return;
   fence_acq_rel_sys();
   const size_t off = (size_t)cid * isa::COUNTER_STRIDE;
-  if (ins[isa::F_SIGNAL_PEERS]) {
+  const int bits = ins[isa::F_SIGNAL_PEERS];
+  if (bits & isa::SIG_PEERS) {
     for (int p = 0; p < a.tp; p++)
       red_relaxed(reinterpret_cast<unsigned*>(a.peer_counters[p]) + off, 1u);
+  } else if (bits & isa::SIG_OWNER) {
+    red_relaxed(reinterpret_cast<unsigned*>(a.peer_counters[owner_rank(a, ins)]) + off, 1u);
   } else {
     red_relaxed(reinterpret_cast<unsigned*>(a.counters) + off, 1u);
   }

@@ -14,5 +14,5 @@ class Down(Instruction):
         st, B = vm.ranks[rank], vm.batch
         cols = slice(self.row0, self.row0 + self.nrows)
         out = st.act[:B] @ st.w.down[self.layer, cols].float().T
-        for peer in vm.ranks:
-            peer.mlp_slots[rank, :B, cols] = out
+        for p in self.push_ranks(vm.tp):   # every rank, or the columns' owner (reduce-scatter)
+            vm.ranks[p].mlp_slots[rank, :B, cols] = out

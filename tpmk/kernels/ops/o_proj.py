@@ -25,5 +25,5 @@ class OProj(Instruction):
         cols = slice(self.row0, self.row0 + self.nrows)
         attn = merge_splits(st.attn_part[:B], vm.head_dim)                   # [B, Hq*D]
         out = attn @ st.w.o_proj[self.layer, cols].float().T                  # [B, n]
-        for peer in vm.ranks:
-            peer.attn_slots[rank, :B, cols] = out
+        for p in self.push_ranks(vm.tp):   # every rank, or the columns' owner (reduce-scatter)
+            vm.ranks[p].attn_slots[rank, :B, cols] = out

@@ -8,7 +8,8 @@ from tpmk.kernels.ops.base import Instruction
 class Residual(Instruction):
     """Columns [row0, row0 + nrows); arg0 = stage (0 embed, 2l+1 attention, 2l+2 MLP);
     arg1 = 1: x = sum (stage 0), 0: x += sum. Rank order 0..tp-1 makes every rank
-    compute bit-identical x."""
+    compute bit-identical x. All-gather form (owner + signal_peers): only the columns'
+    owner runs it and writes its x columns into every peer's x too."""
     opcode = Opcode.RESIDUAL
     name = "residual"
 
@@ -23,3 +24,6 @@ class Residual(Instruction):
             st.x[:B, cols] = acc
         else:
             st.x[:B, cols] += acc
+        if self.owner:
+            for peer in vm.ranks:
+                peer.x[:B, cols] = st.x[:B, cols]
