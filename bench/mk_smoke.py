@@ -1,5 +1,6 @@
 """Tiny megakernel run for compute-sanitizer (memcheck / racecheck): tp=2, 3 steps of batch 2
-(CUDA-core matvec; plain loads, then the weight stream), 2 of batch 6 (tensor-core matvec)."""
+(CUDA-core matvec; plain loads, then the weight stream), 2 of batch 6 (tensor-core matvec),
+then the reduce-scatter + all-gather schedule at batch 2 and 6."""
 import sys
 
 import torch
@@ -23,4 +24,9 @@ for stream in (False, True):   # plain loads, then the experimental weight strea
         out = mk.step(toks, [pos, pos], [[0, 1], [2, 3]])
 for pos in range(2):
     out = mk.step(list(range(20, 26)), [pos] * 6, [[2 * b + 4, 2 * b + 5] for b in range(6)])
-print("smoke ok", out.tolist())
+# Reduce-scatter + all-gather schedule on the same caches: batch 2, then batch 6.
+rs = Megakernel(cfg, build_schedule(cfg, tp, 8, 4, reduce="rsag"), [s.to("cuda") for s in shards],
+                [k.cuda() for k in kc], [v.cuda() for v in vc], timeout_s=60.0)
+rs.step([5, 6], [0, 0], [[0, 1], [2, 3]])
+rs_out = rs.step(list(range(20, 26)), [0] * 6, [[2 * b + 4, 2 * b + 5] for b in range(6)])
+print("smoke ok", out.tolist(), "rsag", rs_out.tolist())
