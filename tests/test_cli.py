@@ -106,7 +106,7 @@ def test_help_lists_commands_and_flags(capsys):
     gen = capsys.readouterr().out
     for flag in ("--model", "--tp", "--engine", "--device", "--prompt", "--prompt-ids",
                  "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--json",
-                 "--launcher"):
+                 "--launcher", "--reduce"):
         assert flag in gen
 
 
@@ -120,6 +120,8 @@ def test_help_lists_commands_and_flags(capsys):
     (["--prompt-ids", "1,2", "--max-new-tokens", "2000"], "max_seq_len=1024"),
     (["--prompt-ids", "100000"], "vocab_size"),
     (["--profile", "t.json"], "--profile needs --engine megakernel"),
+    (["--reduce", "rsag"], "--reduce rsag needs --engine interpreter or megakernel"),
+    (["--reduce", "ring"], "'ring'"),
 ])
 def test_errors_name_the_bad_value(capsys, args, expected):
     try:

@@ -126,6 +126,9 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
     if args.profile and args.engine != "megakernel":
         raise ValueError(f"--profile needs --engine megakernel (got --engine {args.engine}): "
                          "only the megakernel records per-instruction timestamps")
+    if args.reduce != "oneshot" and args.engine not in ("interpreter", "megakernel"):
+        raise ValueError(f"--reduce {args.reduce} needs --engine interpreter or megakernel (got "
+                         f"--engine {args.engine}): only the instruction stream has the choice")
     return RuntimeConfig(
         tp=args.tp, device=args.device, dtype=args.dtype, engine=args.engine,
         page_size=args.page_size, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
