@@ -74,11 +74,8 @@ class InterpreterEngine:
                  group=None, prefill: str = "reference"):
         if prefill not in ("reference", "stream"):
             raise ValueError(f"prefill={prefill!r}; use 'reference' or 'stream'")
-        self.prefill_mode, self._reference = prefill, None
-        if group is not None or len(shards) != runtime.tp:
-            raise ValueError(
-                f"the {self.name} engine runs virtual TP: all tp={runtime.tp} ranks in one "
-                f"process; pass all {runtime.tp} shards (got {len(shards)}) and group=None")
+        self.prefill_mode, self._reference, self.group = prefill, None, group
+        self.check_ranks(runtime, shards, group)
         device = self.device(runtime)
         dtype = getattr(torch, runtime.resolved_dtype())
         self.cfg, self.runtime = cfg, runtime
@@ -88,6 +85,12 @@ class InterpreterEngine:
         self.k_caches = [c.k for c in self.caches]
         self.v_caches = [c.v for c in self.caches]
         self.vm = self.build_vm()
+
+    def check_ranks(self, runtime: RuntimeConfig, shards: list[RankWeights], group) -> None:
+        if group is not None or len(shards) != runtime.tp:
+            raise ValueError(
+                f"the {self.name} engine runs virtual TP: all tp={runtime.tp} ranks in one "
+                f"process; pass all {runtime.tp} shards (got {len(shards)}) and group=None")
 
     def device(self, runtime: RuntimeConfig) -> str:
         return "cpu"
@@ -102,7 +105,7 @@ class InterpreterEngine:
         if self._reference is None:
             from tpmk.engine.reference import ReferenceEngine
             rt = dataclasses.replace(self.runtime, cuda_graphs=False)
-            self._reference = ReferenceEngine(self.cfg, rt, self.shards)
+            self._reference = ReferenceEngine(self.cfg, rt, self.shards, group=self.group)
             self._reference.caches = self.caches
         return self._reference
 

@@ -53,6 +53,11 @@ def is_virtual_tp(name: str) -> bool:
     return bool(getattr(engine_class(name), "virtual_tp", False))
 
 
+def supports_per_process(name: str) -> bool:
+    """True when a virtual-TP engine can also run one rank per process (`per_process = True`)."""
+    return bool(getattr(engine_class(name), "per_process", False))
+
+
 @dataclass
 class WorkerSpec:
     model_dir: str                 # checkpoint directory (config.json, *.safetensors)

@@ -2,13 +2,16 @@
 
 `Megakernel` holds every local rank's buffers (virtual TP: all tp ranks on one
 GPU in one cooperative launch; `loopback=True`: one rank of a tp schedule
-whose peer pointers all point at its own buffers, the per-rank speed proxy).
+whose peer pointers all point at its own buffers, the per-rank speed proxy;
+`group=`: one rank per process, peers' buffers mapped through CUDA IPC).
 Buffers mirror the interpreter's `RankState`; the kernel arguments are
 `isa.KernelArgs` (one struct per local rank, in device memory).
 """
 from __future__ import annotations
 
 import ctypes
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,15 +83,81 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
     return 4 * (NWARPS * BATCH_CHUNK + words)
 
 
+class _CudaArray:
+    """A device pointer seen by torch.as_tensor (__cuda_array_interface__, zero-copy)."""
+
+    def __init__(self, ptr: int, shape: tuple, dtype: torch.dtype):
+        typestr = {torch.float32: "<f4", torch.int32: "<i4"}[dtype]
+        self.__cuda_array_interface__ = dict(data=(ptr, False), shape=tuple(shape), typestr=typestr,
+                                             strides=None, version=3)
+
+
+@dataclass(frozen=True)
+class _RegionLayout:
+    """What tpmk.comm.handles records about a region (every rank's must agree)."""
+    world_size: int
+    sizes: tuple
+
+    def signature(self) -> tuple:
+        return ("megakernel",) + self.sizes
+
+
+class PeerRegion:
+    """One cuMemAlloc block (exportable as one CUDA IPC handle) holding the buffers that
+    peer processes write: {name: (shape, dtype)} -> zeroed torch views `tensors`, byte
+    `offsets` (256-aligned; the same on every rank, so a peer's pointer is its base + offset)."""
+
+    def __init__(self, spec: dict, dev: torch.device):
+        from tpmk.kernels.build import _check
+        from cuda.bindings import driver as cu
+        self.offsets, self.sizes, total = {}, [], 0
+        for k, (shape, dt) in spec.items():
+            n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            self.offsets[k] = total
+            self.sizes.append((k, tuple(shape), str(dt)))
+            total += (n + 255) // 256 * 256
+        self.nbytes = total
+        self.ptr = int(_check(cu.cuMemAlloc(total), f"cuMemAlloc({total} B megakernel peer region)"))
+        _check(cu.cuMemsetD8(self.ptr, 0, total), "cuMemsetD8(peer region)")
+        self.tensors = {k: torch.as_tensor(_CudaArray(self.ptr + self.offsets[k], shape, dt), device=dev)
+                        for k, (shape, dt) in spec.items()}
+
+    def layout(self, world_size: int) -> _RegionLayout:
+        return _RegionLayout(world_size, tuple(self.sizes))
+
+    def free(self) -> None:
+        from cuda.bindings import driver as cu
+        self.tensors = {}
+        if self.ptr:
+            cu.cuMemFree(self.ptr)
+            self.ptr = 0
+
+
 class Megakernel:
     def __init__(self, cfg: ModelConfig, sched: Schedule, shards: list[RankWeights],
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  loopback: bool = False, timeout_s: float = 5.0, profile: bool = False,
-                 max_pages_per_seq: int = 0, defines: tuple[str, ...] = (), stream_weights: bool = False):
+                 max_pages_per_seq: int = 0, defines: tuple[str, ...] = (), stream_weights: bool = False,
+                 group=None):
+        """Virtual TP: all tp shards in this process, one cooperative launch on one GPU.
+        loopback: one rank alone, peers' slots looped back to its own (benchmarks).
+        group: one rank per process (a torch.distributed group whose rank i is TP rank i, gloo
+        is enough): the buffers peers write live in one cuMemAlloc region whose CUDA IPC
+        handle every rank opens (tpmk.comm.handles), and the kernel uses system-scope
+        release/acquire (MK_SYS_SCOPE) so it also holds across GPUs."""
         from cuda.bindings import driver as cu
-        self.cu, self.cfg, self.sched = cu, cfg, sched
+        self.cu, self.cfg, self.sched, self.group = cu, cfg, sched, group
+        self._region, self._opened = None, []
         n_local = len(shards)
-        if not loopback and n_local != sched.tp:
+        if group is not None:
+            import torch.distributed as dist
+            world, me = dist.get_world_size(group), dist.get_rank(group)
+            if loopback or n_local != 1 or world != sched.tp or shards[0].rank != me:
+                raise ValueError(f"one rank per process: pass this rank's shard only (got {n_local}), "
+                                 f"a group of tp={sched.tp} processes (got {world}) whose rank "
+                                 f"{me} holds shard {shards[0].rank}, and loopback=False")
+            defines = (*defines, "MK_SYS_SCOPE")
+        elif not loopback and n_local != sched.tp:
             raise ValueError(f"virtual TP needs all tp={sched.tp} shards in one process, got {n_local}")
         if loopback and sched.reduce != "oneshot":
             raise ValueError(f"loopback runs one rank alone, but reduce={sched.reduce!r} needs the "
@@ -132,20 +201,29 @@ class Megakernel:
         self.error = torch.zeros(isa.ERROR_WORDS, dtype=torch.int32, device=dev)
         self.inv_freq = rope_inv_freq(cfg).to(dev)
         self.shards, self.k_caches, self.v_caches = shards, k_caches, v_caches
+        # What peers write (and x, which an all-gather writes): torch tensors, or views of one
+        # IPC-exportable region per process.
+        shared = dict(x=((B, H), torch.float32),
+                      counters=((sched.num_counters * isa.COUNTER_STRIDE,), torch.int32),
+                      attn_slots=((sched.tp, B, H), torch.float32), mlp_slots=((sched.tp, B, H), torch.float32),
+                      cand=(isa.cand_shape(sched.tp, sched.n_lm_tiles, B), torch.float32))
         self.bufs = []
         for _ in range(n_local):
+            if group is None:
+                peer_written = {k: torch.zeros(shape, dtype=dt, device=dev) for k, (shape, dt) in shared.items()}
+            else:
+                self._region = PeerRegion(shared, dev)
+                peer_written = self._region.tensors
             self.bufs.append(dict(
-                x=torch.zeros(B, H, **f32), q=torch.zeros(B, hq * D, **f32),
+                q=torch.zeros(B, hq * D, **f32),
                 attn_part=torch.zeros(B, hq, sched.num_splits, D + 2, **f32),
                 act=torch.zeros(B, inter, **f32), logits=torch.zeros(B, vp, **f32),
                 tokens_out=torch.zeros(B, dtype=torch.int32, device=dev),
                 topk_values=torch.zeros(B, isa.TOPK, **f32),
                 topk_ids=torch.zeros(B, isa.TOPK, dtype=torch.int32, device=dev),
-                counters=torch.zeros(sched.num_counters * isa.COUNTER_STRIDE, dtype=torch.int32, device=dev),
-                attn_slots=torch.zeros(sched.tp, B, H, **f32), mlp_slots=torch.zeros(sched.tp, B, H, **f32),
-                cand=torch.zeros(isa.cand_shape(sched.tp, sched.n_lm_tiles, B), **f32),
                 profile=torch.zeros(len(sched.instructions) * 2, dtype=torch.int64, device=dev)
-                if profile else None))
+                if profile else None, **peer_written))
+        peer_bases = self._open_peers(dev) if group is not None else None
         self.args = [isa.KernelArgs() for _ in range(n_local)]
         for i, (a, w, buf) in enumerate(zip(self.args, shards, self.bufs)):
             rank = w.rank
@@ -159,12 +237,13 @@ class Megakernel:
                     raise ValueError(f"rank {rank}: {k} must be contiguous")
                 setattr(a, k, 0 if t is None else t.data_ptr())
             for p in range(sched.tp):
-                peer = buf if loopback else self.bufs[p]
-                a.peer_counters[p] = peer["counters"].data_ptr()
-                a.peer_attn_slots[p] = peer["attn_slots"].data_ptr()
-                a.peer_mlp_slots[p] = peer["mlp_slots"].data_ptr()
-                a.peer_cand[p] = peer["cand"].data_ptr()
-                a.peer_x[p] = peer["x"].data_ptr()
+                if peer_bases is not None:   # rank p's region, mapped here; same layout as ours
+                    ptr = {k: peer_bases[p] + self._region.offsets[k] for k in shared}
+                else:
+                    peer = buf if loopback else self.bufs[p]
+                    ptr = {k: peer[k].data_ptr() for k in shared}
+                a.peer_counters[p], a.peer_attn_slots[p] = ptr["counters"], ptr["attn_slots"]
+                a.peer_mlp_slots[p], a.peer_cand[p], a.peer_x[p] = ptr["mlp_slots"], ptr["cand"], ptr["x"]
             a.timeout_ns = int(timeout_s * 1e9)
             a.rank, a.tp, a.num_sms, a.bucket = rank, sched.tp, sched.num_sms, B
             a.num_layers, a.hidden, a.q_heads, a.kv_heads = cfg.num_hidden_layers, H, hq, hkv
@@ -192,6 +271,36 @@ class Megakernel:
             self.smem_max), "cuFuncSetAttribute")
         self.set_stream_weights(stream_weights)
         self.n_local, self.epoch, self.batch = n_local, 0, 0
+
+    def _open_peers(self, dev: torch.device) -> list[int]:
+        """Exchange region handles over the group; every rank's region base, mapped here."""
+        from tpmk.comm import handles, topology
+        import torch.distributed as dist
+        rank, tp = dist.get_rank(self.group), self.sched.tp
+        bus = topology.pci_bus_id(dev.index)
+        mine = handles.export_record(self._region.ptr, self._region.layout(tp), rank, bus)
+        records = handles.exchange(handles.gloo_all_gather(self.group), mine)
+        topology.require_peer_access(bus, [r.pci_bus_id for r in records])
+        bases = []
+        for r in records:
+            bases.append(self._region.ptr if r.rank == rank else handles.open_record(r))
+            if r.rank != rank:
+                self._opened.append(bases[-1])
+        handles.gloo_all_gather(self.group)("opened")   # every rank mapped before any step
+        return bases
+
+    def close(self) -> None:
+        """Per-process mode: collective (no rank unmaps a region a peer may still write)."""
+        if self._region is None:
+            return
+        from tpmk.comm import handles
+        torch.cuda.synchronize(self.header.device)
+        handles.gloo_all_gather(self.group)("closing")
+        for ptr in self._opened:
+            handles.close_peer(ptr)
+        self._opened = []
+        self._region.free()
+        self._region = None
 
     def _upload_args(self) -> None:
         raw = b"".join(bytes(a) for a in self.args)
@@ -271,9 +380,15 @@ class Megakernel:
         raise RuntimeError(msg)
 
     def logits(self) -> torch.Tensor:
-        """[batch, vocab_size] float32 from every local rank's vocab slice."""
-        full = torch.cat([b["logits"][:self.batch] for b in self.bufs], dim=1)
-        return full[:, :self.cfg.vocab_size]
+        """[batch, vocab_size] float32 from every rank's vocab slice (gathered over the group
+        in per-process mode; on the CPU when the group is gloo)."""
+        local = [b["logits"][:self.batch] for b in self.bufs]
+        if self.group is not None:
+            import torch.distributed as dist
+            mine = local[0].cpu() if dist.get_backend(self.group) == "gloo" else local[0].contiguous()
+            local = [torch.empty_like(mine) for _ in range(self.sched.tp)]
+            dist.all_gather(local, mine, group=self.group)
+        return torch.cat(local, dim=1)[:, :self.cfg.vocab_size]
 
     def topk(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-TOPK from the ARGMAX op (local rank 0's copy, on the GPU): values

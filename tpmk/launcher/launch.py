@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tpmk.config import MODEL_REGISTRY, RuntimeConfig
 from tpmk.engine.api import EngineClient
-from tpmk.engine.worker import ENGINES, is_virtual_tp
+from tpmk.engine.worker import ENGINES, is_virtual_tp, supports_per_process
 
 LAUNCHERS = ("inline", "local", "ray", "mpi")
 
@@ -18,8 +18,13 @@ def default_launcher(runtime: RuntimeConfig) -> str:
     return "inline" if runtime.tp == 1 or is_virtual_tp(runtime.engine) else "local"
 
 
-def num_processes(runtime: RuntimeConfig) -> int:
-    return 1 if is_virtual_tp(runtime.engine) else runtime.tp
+def num_processes(runtime: RuntimeConfig, launcher: str = "inline") -> int:
+    """tp processes, except one for a virtual-TP engine launched inline (or one that cannot
+    run a rank per process). The megakernel runs either way: inline it is virtual TP on one
+    GPU, under local / ray / mpi one rank per process and GPU."""
+    if not is_virtual_tp(runtime.engine):
+        return runtime.tp
+    return runtime.tp if launcher != "inline" and supports_per_process(runtime.engine) else 1
 
 
 def launch(model_dir: str, runtime: RuntimeConfig, launcher: str | None = None,
@@ -30,7 +35,7 @@ def launch(model_dir: str, runtime: RuntimeConfig, launcher: str | None = None,
     commands until Shutdown and exit inside this call.
     """
     launcher = launcher or default_launcher(runtime)
-    world_size = num_processes(runtime)
+    world_size = num_processes(runtime, launcher)
     if launcher == "inline":
         from tpmk.launcher.inline import InlineClient
         return InlineClient(model_dir, runtime)
