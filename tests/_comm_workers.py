@@ -41,3 +41,27 @@ def ipc_allreduce_worker(rank, world_size, init_file, out_dir, sizes):
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def peer_region_worker(rank, world_size, init_file, out_dir):
+    """GPU: each process writes its rank into slot[rank] of every peer's region buffer
+    through the mapped base + offset, then reads what its own buffer received."""
+    import struct
+    from cuda.bindings import driver as cu
+    from tpmk.comm.region import PeerRegion
+    from tpmk.kernels.build import _check
+    _init(rank, world_size, init_file)
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    region = PeerRegion({"pad": ((37,), torch.int32), "slots": ((world_size, 4), torch.float32)}, dev, None)
+    bases = region.open_peers()
+    row = struct.pack("<4f", *[float(rank + 1)] * 4)   # this rank's row in every peer's slots
+    for base in bases:
+        _check(cu.cuMemcpyHtoD(base + region.offsets["slots"] + 16 * rank, row, len(row)), "cuMemcpyHtoD")
+    torch.cuda.synchronize()
+    dist.barrier()
+    got = region.tensors["slots"].cpu().tolist()
+    region.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+    dist.destroy_process_group()

@@ -306,3 +306,17 @@ def test_multiprocess_ipc_handle_exchange_on_one_gpu(tmp_path):
             acc = xs[0].float() + xs[1].float()
             for o in outs:
                 assert torch.equal(o.view(torch.int16), acc.to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_peer_region_rows_written_by_every_process(tmp_path):
+    """tpmk.comm.region (the megakernel's per-process buffers): each of 2 processes writes
+    its row into every process's region through the mapped base + offset (the buffer sits
+    after another, at a non-zero offset); each region ends with every rank's row."""
+    world = 2
+    mp.spawn(_comm_workers.peer_region_worker, args=(world, str(tmp_path / "init"), str(tmp_path)),
+             nprocs=world, join=True)
+    for r in range(world):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got == [[float(src + 1)] * 4 for src in range(world)], f"rank {r}: {got}"
+

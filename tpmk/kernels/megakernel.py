@@ -10,8 +10,6 @@ Buffers mirror the interpreter's `RankState`; the kernel arguments are
 from __future__ import annotations
 
 import ctypes
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,56 +81,6 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
     return 4 * (NWARPS * BATCH_CHUNK + words)
 
 
-class _CudaArray:
-    """A device pointer seen by torch.as_tensor (__cuda_array_interface__, zero-copy)."""
-
-    def __init__(self, ptr: int, shape: tuple, dtype: torch.dtype):
-        typestr = {torch.float32: "<f4", torch.int32: "<i4"}[dtype]
-        self.__cuda_array_interface__ = dict(data=(ptr, False), shape=tuple(shape), typestr=typestr,
-                                             strides=None, version=3)
-
-
-@dataclass(frozen=True)
-class _RegionLayout:
-    """What tpmk.comm.handles records about a region (every rank's must agree)."""
-    world_size: int
-    sizes: tuple
-
-    def signature(self) -> tuple:
-        return ("megakernel",) + self.sizes
-
-
-class PeerRegion:
-    """One cuMemAlloc block (exportable as one CUDA IPC handle) holding the buffers that
-    peer processes write: {name: (shape, dtype)} -> zeroed torch views `tensors`, byte
-    `offsets` (256-aligned; the same on every rank, so a peer's pointer is its base + offset)."""
-
-    def __init__(self, spec: dict, dev: torch.device):
-        from tpmk.kernels.build import _check
-        from cuda.bindings import driver as cu
-        self.offsets, self.sizes, total = {}, [], 0
-        for k, (shape, dt) in spec.items():
-            n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-            self.offsets[k] = total
-            self.sizes.append((k, tuple(shape), str(dt)))
-            total += (n + 255) // 256 * 256
-        self.nbytes = total
-        self.ptr = int(_check(cu.cuMemAlloc(total), f"cuMemAlloc({total} B megakernel peer region)"))
-        _check(cu.cuMemsetD8(self.ptr, 0, total), "cuMemsetD8(peer region)")
-        self.tensors = {k: torch.as_tensor(_CudaArray(self.ptr + self.offsets[k], shape, dt), device=dev)
-                        for k, (shape, dt) in spec.items()}
-
-    def layout(self, world_size: int) -> _RegionLayout:
-        return _RegionLayout(world_size, tuple(self.sizes))
-
-    def free(self) -> None:
-        from cuda.bindings import driver as cu
-        self.tensors = {}
-        if self.ptr:
-            cu.cuMemFree(self.ptr)
-            self.ptr = 0
-
-
 class Megakernel:
     def __init__(self, cfg: ModelConfig, sched: Schedule, shards: list[RankWeights],
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
@@ -142,12 +90,12 @@ class Megakernel:
         """Virtual TP: all tp shards in this process, one cooperative launch on one GPU.
         loopback: one rank alone, peers' slots looped back to its own (benchmarks).
         group: one rank per process (a torch.distributed group whose rank i is TP rank i, gloo
-        is enough): the buffers peers write live in one cuMemAlloc region whose CUDA IPC
-        handle every rank opens (tpmk.comm.handles), and the kernel uses system-scope
+        is enough): the buffers peers write live in one tpmk.comm.region.PeerRegion whose
+        CUDA IPC handle every rank opens, and the kernel uses system-scope
         release/acquire (MK_SYS_SCOPE) so it also holds across GPUs."""
         from cuda.bindings import driver as cu
         self.cu, self.cfg, self.sched, self.group = cu, cfg, sched, group
-        self._region, self._opened = None, []
+        self._region = None
         n_local = len(shards)
         if group is not None:
             import torch.distributed as dist
@@ -212,7 +160,8 @@ class Megakernel:
             if group is None:
                 peer_written = {k: torch.zeros(shape, dtype=dt, device=dev) for k, (shape, dt) in shared.items()}
             else:
-                self._region = PeerRegion(shared, dev)
+                from tpmk.comm.region import PeerRegion
+                self._region = PeerRegion(shared, dev, group)
                 peer_written = self._region.tensors
             self.bufs.append(dict(
                 q=torch.zeros(B, hq * D, **f32),
@@ -223,7 +172,7 @@ class Megakernel:
                 topk_ids=torch.zeros(B, isa.TOPK, dtype=torch.int32, device=dev),
                 profile=torch.zeros(len(sched.instructions) * 2, dtype=torch.int64, device=dev)
                 if profile else None, **peer_written))
-        peer_bases = self._open_peers(dev) if group is not None else None
+        peer_bases = self._region.open_peers() if group is not None else None
         self.args = [isa.KernelArgs() for _ in range(n_local)]
         for i, (a, w, buf) in enumerate(zip(self.args, shards, self.bufs)):
             rank = w.rank
@@ -272,35 +221,12 @@ class Megakernel:
         self.set_stream_weights(stream_weights)
         self.n_local, self.epoch, self.batch = n_local, 0, 0
 
-    def _open_peers(self, dev: torch.device) -> list[int]:
-        """Exchange region handles over the group; every rank's region base, mapped here."""
-        from tpmk.comm import handles, topology
-        import torch.distributed as dist
-        rank, tp = dist.get_rank(self.group), self.sched.tp
-        bus = topology.pci_bus_id(dev.index)
-        mine = handles.export_record(self._region.ptr, self._region.layout(tp), rank, bus)
-        records = handles.exchange(handles.gloo_all_gather(self.group), mine)
-        topology.require_peer_access(bus, [r.pci_bus_id for r in records])
-        bases = []
-        for r in records:
-            bases.append(self._region.ptr if r.rank == rank else handles.open_record(r))
-            if r.rank != rank:
-                self._opened.append(bases[-1])
-        handles.gloo_all_gather(self.group)("opened")   # every rank mapped before any step
-        return bases
-
     def close(self) -> None:
         """Per-process mode: collective (no rank unmaps a region a peer may still write)."""
-        if self._region is None:
-            return
-        from tpmk.comm import handles
-        torch.cuda.synchronize(self.header.device)
-        handles.gloo_all_gather(self.group)("closing")
-        for ptr in self._opened:
-            handles.close_peer(ptr)
-        self._opened = []
-        self._region.free()
-        self._region = None
+        if self._region is not None:
+            torch.cuda.synchronize(self.header.device)
+            self._region.close()
+            self._region = None
 
     def _upload_args(self) -> None:
         raw = b"".join(bytes(a) for a in self.args)
