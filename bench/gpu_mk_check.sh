@@ -3,6 +3,7 @@
 # parallel: they are mostly CPU-bound), then the decode bench alone on the GPU.
 #   PYTEST_K: pytest -k filter; PYTEST_TESTS: test names of tests/test_megakernel.py, in run order;
 #   SAN_TOOLS: sanitizer tools ("" = none); BENCH, BENCH2, BENCH3, BENCH4: bench/decode.py arguments ("" = skip).
+#   EXTRA_TESTS: more GPU test files/ids, run after the megakernel tests (e.g. tests/test_launcher.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"
@@ -22,6 +23,10 @@ done
 wait
 echo "== pytest"; grep -E "passed|failed|Error|error|assert|near-tie|rel logit" "$OUT/pytest.log" | tail -30
 for tool in ${SAN_TOOLS-memcheck racecheck}; do echo "== compute-sanitizer $tool"; cat "$OUT/san_$tool.log"; done
+if [ -n "${EXTRA_TESTS:-}" ]; then
+  OMP_NUM_THREADS=8 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x -s -m gpu $EXTRA_TESTS > "$OUT/pytest_extra.log" 2>&1
+  echo "== extra tests"; grep -E "passed|failed|Error|error|assert" "$OUT/pytest_extra.log" | tail -15
+fi
 echo "== tests done at $(( $(date +%s) - t0 )) s"
 i=1
 for args in "${BENCH:-}" "${BENCH2:-}" "${BENCH3:-}" "${BENCH4:-}"; do   # results: $OUT/bench1 ...
