@@ -229,6 +229,9 @@ MODEL_REGISTRY: dict[str, ModelConfig] = {
 }
 
 
+REDUCE_MODES = ("oneshot", "rsag")   # how o_proj / down partial sums meet (kernels/schedule.py)
+
+
 @dataclass
 class RuntimeConfig:
     """What the user chooses at run time (one CLI flag per field)."""
@@ -249,8 +252,8 @@ class RuntimeConfig:
     def __post_init__(self):
         if self.tp not in (1, 2, 4, 8):
             raise ValueError(f"tp={self.tp} is not supported; use 1, 2, 4 or 8")
-        if self.reduce not in ("oneshot", "rsag"):
-            raise ValueError(f"reduce={self.reduce!r} is not supported; use oneshot or rsag")
+        if self.reduce not in REDUCE_MODES:
+            raise ValueError(f"reduce={self.reduce!r} is not supported; use one of {REDUCE_MODES}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.num_pages == 0:
@@ -268,4 +271,4 @@ class RuntimeConfig:
         return "bfloat16" if self.resolved_device() == "cuda" else "float32"
 
 
-__all__ = ["ModelConfig", "RopeScaling", "RuntimeConfig", "MODEL_REGISTRY"]
+__all__ = ["ModelConfig", "RopeScaling", "RuntimeConfig", "MODEL_REGISTRY", "REDUCE_MODES"]

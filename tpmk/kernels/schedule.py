@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpmk.config import ModelConfig
+from tpmk.config import REDUCE_MODES, ModelConfig
 from tpmk.kernels.isa import INSTR_WORDS
 from tpmk.kernels.ops import (Argmax, Attention, Down, Embed, GateUp, Instruction, LmHead,
                               OProj, Qkv, Residual)
@@ -81,9 +81,6 @@ class _Counters:
     def new(self, name: str) -> int:
         self.names.append(name)
         return len(self.names) - 1
-
-
-REDUCE_MODES = ("oneshot", "rsag")
 
 
 def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,

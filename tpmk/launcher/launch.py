@@ -6,7 +6,7 @@ import argparse
 import socket
 from pathlib import Path
 
-from tpmk.config import MODEL_REGISTRY, RuntimeConfig
+from tpmk.config import MODEL_REGISTRY, REDUCE_MODES, RuntimeConfig
 from tpmk.engine.api import EngineClient
 from tpmk.engine.worker import ENGINES, is_virtual_tp, supports_per_process
 
@@ -115,7 +115,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "max-seq-len (default)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="decode eagerly on GPU (reference engine)")
-    p.add_argument("--reduce", default=d.reduce, choices=("oneshot", "rsag"),
+    p.add_argument("--reduce", default=d.reduce, choices=REDUCE_MODES,
                    help="interpreter / megakernel: how the o_proj and down partial sums meet; "
                         "oneshot: every rank pushes to every rank (one hop), rsag: "
                         "reduce-scatter to each tile's owner + all-gather (default %(default)s)")

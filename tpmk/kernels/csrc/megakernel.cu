@@ -3,9 +3,10 @@
 // (i % sms_per_rank) of rank (i / sms_per_rank) with that rank's KernelArgs
 // (virtual TP: several ranks in one launch on one GPU; one process per GPU: 1 rank).
 // Per CTA: fetch instruction i + 2 into a 3-slot ring, start copying instruction i's
-// weights into shared memory (experimental, mk_stream.cuh) or ask L2 for them, ask L2 for those of instruction i + 1
-// (weights never depend on activations: they flow while this SM waits), wait on
-// instruction i's counters, run the op, signal. Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
+// weights into shared memory (experimental, mk_stream.cuh) or ask L2 for them, ask L2
+// for those of instruction i + 1 (weights never depend on activations: they flow while
+// this SM waits), wait on instruction i's counters, run the op, signal.
+// Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
 #include "mk_common.cuh"
 #include "mk_sync.cuh"
 #include "ops/embed.cuh"

@@ -77,6 +77,50 @@ struct RowMap {
   }
 };
 
+// A linear instruction's weight tile: rows (RowMap), their length K and count.
+struct Tile {
+  RowMap rows;
+  int K, nrows;
+};
+
+// The tile of a linear op (qkv, gate_up, o_proj, down, lm_head); false for other ops.
+// The ops, the L2 prefetch and the weight stream all take their tile from here.
+__device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins, Tile& t) {
+  const int l = ins[isa::F_LAYER], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
+  const size_t H = a.hidden, D = a.head_dim, I = a.inter, hq = a.q_heads, hkv = a.kv_heads;
+  switch (ins[isa::F_OP]) {
+    case isa::OP_QKV: {   // one head's rotary pairs [p0, p0 + n): rows p0 + i and D/2 + p0 + i
+      const wtype* W = reinterpret_cast<const wtype*>(a.qkv) + (size_t)l * (hq + 2 * hkv) * D * H;
+      const size_t p0 = ins[isa::F_ARG0];
+      t = Tile{RowMap{W + (r0 * D + p0) * H, W + (r0 * D + D / 2 + p0) * H, n, (int)H}, (int)H, 2 * n};
+      return true;
+    }
+    case isa::OP_GATE_UP: {   // gate rows [r0, r0 + n), then the same up rows
+      const wtype* W = reinterpret_cast<const wtype*>(a.gate_up) + (size_t)l * 2 * I * H;
+      t = Tile{RowMap{W + r0 * H, W + (I + r0) * H, n, (int)H}, (int)H, 2 * n};
+      return true;
+    }
+    case isa::OP_O_PROJ: {
+      const size_t K = hq * D;
+      const wtype* W = reinterpret_cast<const wtype*>(a.o_proj) + l * H * K + r0 * K;
+      t = Tile{RowMap{W, W, n, (int)K}, (int)K, n};
+      return true;
+    }
+    case isa::OP_DOWN: {
+      const wtype* W = reinterpret_cast<const wtype*>(a.down) + l * H * I + r0 * I;
+      t = Tile{RowMap{W, W, n, (int)I}, (int)I, n};
+      return true;
+    }
+    case isa::OP_LM_HEAD: {
+      const wtype* W = reinterpret_cast<const wtype*>(a.lm_head) + r0 * H;
+      t = Tile{RowMap{W, W, n, (int)H}, (int)H, n};
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+
 // A linear op's input rows: x[b * ldx + k] (RMSNorm with weight nw fused when nw != null),
 // or, when part != null, the attention output merged from its splits (o_proj).
 struct XSrc {
@@ -283,11 +327,11 @@ __device__ __forceinline__ void mv_fma(const float* xs, int K, int k, const uint
   }
 }
 
+#ifndef MK_MV_U1
+#define MK_MV_U1 4   // 16-byte loads per row in flight per lane at batch 1 (8 measured slower)
+#endif
 template <int NB, typename RowFn, typename OutFn>
 __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
-#ifndef MK_MV_U1
-#define MK_MV_U1 4
-#endif
   constexpr int U = NB == 1 ? MK_MV_U1 : 2, STEP = 32 * VEC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const MvSplit m = mv_split(K, nrows);

@@ -4,7 +4,7 @@
 // never depend on the step's activations, so the bytes stream while the SM
 // would otherwise idle at the dependency; the matvec then reads them from L2.
 #pragma once
-#include "mk_stream.cuh"
+#include "mk_common.cuh"
 
 #ifndef PREFETCH_CAP
 #define PREFETCH_CAP (192 * 1024)   // bytes per instruction (132 SMs: ~25 MB of L2)

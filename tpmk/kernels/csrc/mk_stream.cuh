@@ -26,50 +26,6 @@
 constexpr int RING_MAX = MK_RING_MAX;                 // steps in flight per thread at most
 constexpr int SLOT_BYTES = MV_ROWS * NTHREADS * 16;   // one step of every thread
 
-// A linear instruction's weight tile: rows (RowMap), their length K and count.
-struct Tile {
-  RowMap rows;
-  int K, nrows;
-};
-
-// The tile of a linear op (qkv, gate_up, o_proj, down, lm_head); false for other ops.
-// The ops and the stream producer both take their tile from here.
-__device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins, Tile& t) {
-  const int l = ins[isa::F_LAYER], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
-  const size_t H = a.hidden, D = a.head_dim, I = a.inter, hq = a.q_heads, hkv = a.kv_heads;
-  switch (ins[isa::F_OP]) {
-    case isa::OP_QKV: {   // one head's rotary pairs [p0, p0 + n): rows p0 + i and D/2 + p0 + i
-      const wtype* W = reinterpret_cast<const wtype*>(a.qkv) + (size_t)l * (hq + 2 * hkv) * D * H;
-      const size_t p0 = ins[isa::F_ARG0];
-      t = Tile{RowMap{W + (r0 * D + p0) * H, W + (r0 * D + D / 2 + p0) * H, n, (int)H}, (int)H, 2 * n};
-      return true;
-    }
-    case isa::OP_GATE_UP: {   // gate rows [r0, r0 + n), then the same up rows
-      const wtype* W = reinterpret_cast<const wtype*>(a.gate_up) + (size_t)l * 2 * I * H;
-      t = Tile{RowMap{W + r0 * H, W + (I + r0) * H, n, (int)H}, (int)H, 2 * n};
-      return true;
-    }
-    case isa::OP_O_PROJ: {
-      const size_t K = hq * D;
-      const wtype* W = reinterpret_cast<const wtype*>(a.o_proj) + l * H * K + r0 * K;
-      t = Tile{RowMap{W, W, n, (int)K}, (int)K, n};
-      return true;
-    }
-    case isa::OP_DOWN: {
-      const wtype* W = reinterpret_cast<const wtype*>(a.down) + l * H * I + r0 * I;
-      t = Tile{RowMap{W, W, n, (int)I}, (int)I, n};
-      return true;
-    }
-    case isa::OP_LM_HEAD: {
-      const wtype* W = reinterpret_cast<const wtype*>(a.lm_head) + r0 * H;
-      t = Tile{RowMap{W, W, n, (int)H}, (int)H, n};
-      return true;
-    }
-    default:
-      return false;
-  }
-}
-
 // Launch constants, written by thread 0 before the loop's first barrier.
 struct Ring {
   int nstages;     // ring slots (0: streaming off)
@@ -158,6 +114,7 @@ __device__ __forceinline__ void stream_issue(float* smem, const ThreadSteps& ts,
 // Every thread, at an instruction's start (before its dependency wait): the first steps
 // of its share of the tile, when the instruction streams. Returns whether it streams.
 __device__ bool stream_start(const KernelArgs& a, const int* ins, int batch, float* smem) {
+  if (ring().nstages == 0) return false;   // streaming off (the default): nothing per instruction
   Tile t;
   if (!linear_tile(a, ins, t) || !stream_on(batch, t.K)) return false;
   const ThreadSteps ts(t.K, t.nrows);
