@@ -48,7 +48,7 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
 
 
 # mk_mma.cuh: MMA_SS_WORDS + MMA_XWORDS + MMA_OUT_WORDS f32 words (bf16 tensor-core matvec)
-MMA_SMEM_WORDS = 64 + 16 * 16 + 8 * (4096 + 8 * 32) + 64 * 128
+MMA_SMEM_WORDS = 64 + 16 * 512 + 8 * (4096 + 8 * 32) + 64 * 128
 
 
 def out_words(cfg: ModelConfig, sched: Schedule) -> int:

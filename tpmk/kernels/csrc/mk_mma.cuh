@@ -18,7 +18,7 @@ constexpr int MMA_MIN_BATCH = 5;
 constexpr int MMA_PASS = 64;                         // batch rows per pass (8 n-tiles)
 constexpr int MMA_KC1 = 4096;                        // K chunk for 1 n-tile; KC = MMA_KC1 / NT
 constexpr int MMA_F4 = MMA_KC1 * 8 / 4 / NTHREADS;   // float4 of x per thread per chunk (16)
-constexpr int MMA_SS_WORDS = MMA_PASS + NWARPS * MMA_F4;   // ss[b], then per-warp partials
+constexpr int MMA_SS_WORDS = MMA_PASS + MMA_F4 * NTHREADS;   // ss[b], then per-float4 partials
 constexpr int MMA_XWORDS = 8 * (MMA_KC1 + 8 * 32);   // NT*8 rows x (KC + 32) x (hi, lo) bf16, in f32 words
 constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrows]
 constexpr int MMA_SMEM_WORDS = MMA_SS_WORDS + MMA_XWORDS + MMA_OUT_WORDS;   // after the red area
@@ -37,6 +37,63 @@ __device__ __forceinline__ int mma_pass_rows(int nrows) {
   return max(8, min(MMA_PASS, (MMA_OUT_WORDS / max(nrows, 1)) & ~7));
 }
 
+// How a linear op's input rows reach the tensor cores (one mode per call: the fill's
+// code carries no per-element branch on the source).
+enum FillMode { FILL_PLAIN = 0, FILL_NORM = 1, FILL_MERGE = 2 };
+
+// One K chunk of the B operand: xh/xl[b][kk] = hi/lo bf16 of xin(b0 + b, kc0 + kk) (times the
+// norm weight in FILL_NORM), b < NB (rows >= nb are zeros), MMA_F4 float4 per thread.
+// Thread float4 e (f = tid + e * NTHREADS) is row f / RF at every chunk, so FILL_NORM sums its
+// squares in ssq[f] across chunks (reduced once per pass, not per chunk); it needs the
+// norm weights of at most NWV distinct columns per chunk.
+template <int NT, int MODE>
+__device__ __forceinline__ void mma_fill(const KernelArgs& a, const float* x, int ldx, const wtype* nw,
+                                         const float* part, const float* coef, int K, int kc0, int b0,
+                                         int nb, __nv_bfloat16* xh, __nv_bfloat16* xl, float* ssq) {
+  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, RF = KC / 4;
+  constexpr int FG = MODE == FILL_MERGE ? 4 : 8, NWV = RF > NTHREADS ? RF / NTHREADS : 1;
+  float wf[NWV][4];
+  if constexpr (MODE == FILL_NORM) {
+#pragma unroll
+    for (int j = 0; j < NWV; j++) {
+      const int k = kc0 + (threadIdx.x + j * NTHREADS) % RF * 4;
+      const uint2 u = k < K ? __ldg(reinterpret_cast<const uint2*>(nw + k)) : make_uint2(0, 0);
+      const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      wf[j][0] = w01.x; wf[j][1] = w01.y; wf[j][2] = w23.x; wf[j][3] = w23.y;
+    }
+  }
+#pragma unroll
+  for (int e0 = 0; e0 < MMA_F4; e0 += FG) {
+    float4 v[FG];
+#pragma unroll
+    for (int q = 0; q < FG; q++) {   // all loads first (the smem stores below are generic)
+      const int f = threadIdx.x + (e0 + q) * NTHREADS, b = f / RF, k = kc0 + f % RF * 4;
+      const bool ok = b < nb && k < K;
+      if constexpr (MODE == FILL_MERGE)
+        v[q] = ok ? merged4<4>(a, part, coef, b0, b, k) : make_float4(0.f, 0.f, 0.f, 0.f);   // o_proj
+      else
+        v[q] = ok ? __ldcg(reinterpret_cast<const float4*>(x + (size_t)(b0 + b) * ldx + k))
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int q = 0; q < FG; q++) {
+      const int e = e0 + q, f = threadIdx.x + e * NTHREADS, b = f / RF, kk = f % RF * 4;
+      float4 xv = v[q];
+      if constexpr (MODE == FILL_NORM) {
+        ssq[f] += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;   // this thread's slot
+        const float* w = wf[e % NWV];
+        xv.x *= w[0]; xv.y *= w[1]; xv.z *= w[2]; xv.w *= w[3];
+      }
+      const __nv_bfloat162 h0 = __floats2bfloat162_rn(xv.x, xv.y), h1 = __floats2bfloat162_rn(xv.z, xv.w);
+      const __nv_bfloat162 l0 = __floats2bfloat162_rn(xv.x - __low2float(h0), xv.y - __high2float(h0));
+      const __nv_bfloat162 l1 = __floats2bfloat162_rn(xv.z - __low2float(h1), xv.w - __high2float(h1));
+      *reinterpret_cast<uint2*>(xh + b * XS + kk) = make_uint2(bf2_bits(h0), bf2_bits(h1));
+      *reinterpret_cast<uint2*>(xl + b * XS + kk) = make_uint2(bf2_bits(l0), bf2_bits(l1));
+    }
+  }
+}
+
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
 // NT n-tiles of 8 batch rows. Per K chunk: all threads fill x[NB][KC] (16 float4 each, loads
 // batched), then warps (m-tile of 16 rows, K part) run the MMAs; K parts interleave 32-wide
@@ -45,17 +102,21 @@ template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
   constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, RF = KC / 4;
-  constexpr int U = NT >= 8 ? 2 : 4, FG = 4;
+  constexpr int U = NT >= 8 ? 2 : 4;
   static_assert(NB * RF == MMA_F4 * NTHREADS, "x chunk = MMA_F4 float4 per thread");
   float* ss = sm;                          // [NB]
-  float* ssp = sm + MMA_PASS;              // [NWARPS][MMA_F4] warp partials of sum x^2
+  float* ssq = sm + MMA_PASS;              // [MMA_F4 * NTHREADS] per-float4 partials of sum x^2
   __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(sm + MMA_SS_WORDS);
   __nv_bfloat16* xl = xh + NB * XS;
   float* part = sm + MMA_SS_WORDS;         // [NWARPS][NT][4][32], reuses the chunk after the K loop
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int mtiles = (nrows + 15) / 16;
+  const float* sx = src.x;
+  const float* sp = src.part;
+  const wtype* nw = src.nw;
+  const int ldx = src.ldx, mode = sp ? FILL_MERGE : nw ? FILL_NORM : FILL_PLAIN;
   float* coef = outs;   // o_proj split weights, until the epilogue (o_proj tiles: mtiles <= NWARPS)
-  if (src.part) merge_coefs(a, src.part, b0, nb, coef);   // read after the first __syncthreads
+  if (sp) merge_coefs(a, sp, b0, nb, coef);   // read after the first __syncthreads
   for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
     const int mcount = min(NWARPS, mtiles - mt0), ks = NWARPS / mcount;
     const int mt = mt0 + warp / ks, kp = warp % ks;
@@ -67,8 +128,8 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     for (int n = 0; n < NT; n++)
 #pragma unroll
       for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
-    if (lane == 0)
-      for (int e = 0; e < MMA_F4; e++) ssp[warp * MMA_F4 + e] = 0.f;   // owned by this lane
+#pragma unroll
+    for (int e = 0; e < MMA_F4; e++) ssq[e * NTHREADS + threadIdx.x] = 0.f;   // this thread's slots
     for (int kc0 = 0; kc0 < K; kc0 += KC) {
       __syncthreads();   // the previous chunk (or pass) is no longer read
       if (warp == NWARPS - 1 && kc0 + KC < K) {   // hint: next chunk's weights -> L2
@@ -76,37 +137,12 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
         for (int r = lane; r < nrows; r += 32)
           asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row(r) + kc0 + KC), "r"(bytes) : "memory");
       }
-#pragma unroll
-      for (int e0 = 0; e0 < MMA_F4; e0 += FG) {
-        float4 v[FG];
-        uint2 wv[FG];
-#pragma unroll
-        for (int q = 0; q < FG; q++) {   // all loads first (the smem stores below are generic)
-          const int f = threadIdx.x + (e0 + q) * NTHREADS, b = f / RF, k = kc0 + f % RF * 4;
-          const bool ok = b < nb && k < K && !src.part;
-          v[q] = ok ? __ldcg(reinterpret_cast<const float4*>(src.x + (size_t)(b0 + b) * src.ldx + k))
-                    : make_float4(0.f, 0.f, 0.f, 0.f);
-          wv[q] = ok && src.nw ? __ldg(reinterpret_cast<const uint2*>(src.nw + k)) : make_uint2(0, 0);
-          if (src.part && b < nb && k < K) v[q] = merged4<4>(a, src.part, coef, b0, b, k);   // o_proj
-        }
-#pragma unroll
-        for (int q = 0; q < FG; q++) {
-          const int f = threadIdx.x + (e0 + q) * NTHREADS, b = f / RF, kk = f % RF * 4;
-          float4 x = v[q];
-          if (src.nw) {
-            const float s2 = warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w);
-            if (lane == 0) ssp[warp * MMA_F4 + e0 + q] += s2;
-            const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wv[q].x));
-            const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wv[q].y));
-            x.x *= w01.x; x.y *= w01.y; x.z *= w23.x; x.w *= w23.y;
-          }
-          const __nv_bfloat162 h0 = __floats2bfloat162_rn(x.x, x.y), h1 = __floats2bfloat162_rn(x.z, x.w);
-          const __nv_bfloat162 l0 = __floats2bfloat162_rn(x.x - __low2float(h0), x.y - __high2float(h0));
-          const __nv_bfloat162 l1 = __floats2bfloat162_rn(x.z - __low2float(h1), x.w - __high2float(h1));
-          *reinterpret_cast<uint2*>(xh + b * XS + kk) = make_uint2(bf2_bits(h0), bf2_bits(h1));
-          *reinterpret_cast<uint2*>(xl + b * XS + kk) = make_uint2(bf2_bits(l0), bf2_bits(l1));
-        }
-      }
+      if (mode == FILL_NORM)
+        mma_fill<NT, FILL_NORM>(a, sx, ldx, nw, sp, coef, K, kc0, b0, nb, xh, xl, ssq);
+      else if (mode == FILL_MERGE)
+        mma_fill<NT, FILL_MERGE>(a, sx, ldx, nw, sp, coef, K, kc0, b0, nb, xh, xl, ssq);
+      else
+        mma_fill<NT, FILL_PLAIN>(a, sx, ldx, nw, sp, coef, K, kc0, b0, nb, xh, xl, ssq);
       __syncthreads();
       if (active) {
         for (int kb = kp; kb < NKB; kb += ks * U) {
@@ -137,13 +173,14 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
         }
       }
     }
-    __syncthreads();   // chunk reads and ssp updates done
-    if (src.nw && threadIdx.x < NB) {   // row b's float4 f = b * RF + 32 i: warp (f % NTHREADS) / 32, slot f / NTHREADS
-      const int b = threadIdx.x;
-      float s2 = 0.f;
-      for (int f = b * RF; f < (b + 1) * RF; f += 32) s2 += ssp[(f % NTHREADS) / 32 * MMA_F4 + f / NTHREADS];
-      ss[b] = s2;
-    }
+    __syncthreads();   // chunk reads and ssq updates done
+    if (mode == FILL_NORM)   // row b: the float4 f in [b * RF, (b + 1) * RF), fixed order
+      for (int b = warp; b < NB; b += NWARPS) {
+        float s2 = 0.f;
+        for (int f = b * RF + lane; f < (b + 1) * RF; f += 32) s2 += ssq[f];
+        s2 = warp_sum(s2);
+        if (lane == 0) ss[b] = s2;
+      }
     if (active)
 #pragma unroll
       for (int n = 0; n < NT; n++)
@@ -157,7 +194,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       const int n = b >> 3, i = (r16 >> 3) * 2 + (b & 1), ln = (r16 & 7) * 4 + ((b & 7) >> 1);
       float v = 0.f;
       for (int p = 0; p < ks; p++) v += part[(((m * ks + p) * NT + n) * 4 + i) * 32 + ln];
-      if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
+      if (mode == FILL_NORM) v *= rsqrtf(ss[b] / K + a.eps);
       outs[b * nrows + r] = v;
     }
   }
