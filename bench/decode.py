@@ -132,8 +132,6 @@ def main():
                     help="extra megakernel macros for tuning experiments, e.g. PREFETCH_CAP=393216")
     ap.add_argument("--splits", type=int, default=0,
                     help="attention splits per (sequence, kv head); 0: the scheduler's choice")
-    ap.add_argument("--compare-stream", action="store_true",
-                    help="also time the megakernel with its experimental shared-memory weight stream on")
     ap.add_argument("--profile", default="", help="write a Chrome trace (per-instruction start/end) "
                     "of the first configuration's last step to this JSON file")
     args = ap.parse_args()
@@ -173,12 +171,6 @@ def main():
             mk.check_error()
             if profile:
                 Path(args.profile).write_text(json.dumps({"traceEvents": mk.profile_trace()}))
-            if args.compare_stream:
-                mk.set_stream_weights(True)
-                row.update(stream_ms=time_fn(mk_step, args.iters))
-                mk.check_error()
-                print(f"      weight streaming on: {row['stream_ms']:.3f} ms", flush=True)
-                mk.set_stream_weights(False)
             row.update(mk_ms=mk_ms, mk_tok_s=B / mk_ms * 1e3, mk_bw_frac=(wbytes + kv_bytes) / (mk_ms / 1e3) / bw)
             del mk, kc, vc
             if not args.no_baseline:

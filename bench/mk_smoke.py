@@ -1,5 +1,5 @@
 """Tiny megakernel run for compute-sanitizer (memcheck / racecheck): tp=2, 3 steps of batch 2
-(CUDA-core matvec; plain loads, then the weight stream), 2 of batch 6 (tensor-core matvec),
+(CUDA-core matvec), 2 of batch 6 (tensor-core matvec),
 then the reduce-scatter + all-gather schedule at batch 2 and 6."""
 import sys
 
@@ -18,10 +18,8 @@ sched = build_schedule(cfg, tp, 8, 4)
 kc, vc = empty_caches(cfg, tp, 16, 16, dtype=torch.bfloat16)
 mk = Megakernel(cfg, sched, [s.to("cuda") for s in shards], [k.cuda() for k in kc],
                 [v.cuda() for v in vc], timeout_s=60.0)
-for stream in (False, True):   # plain loads, then the experimental weight stream
-    mk.set_stream_weights(stream)
-    for pos, toks in enumerate([[5, 6], [7, 8], [9, 10]]):
-        out = mk.step(toks, [pos, pos], [[0, 1], [2, 3]])
+for pos, toks in enumerate([[5, 6], [7, 8], [9, 10]]):
+    out = mk.step(toks, [pos, pos], [[0, 1], [2, 3]])
 for pos in range(2):
     out = mk.step(list(range(20, 26)), [pos] * 6, [[2 * b + 4, 2 * b + 5] for b in range(6)])
 # Reduce-scatter + all-gather schedule on the same caches: batch 2, then batch 6.

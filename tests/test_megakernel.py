@@ -14,7 +14,7 @@ PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 2
 PAGE, PAGES_PER_SEQ = 16, 8
 
 
-def _pair(cfg, tp, bucket, shards_cpu, sms=None, stream_weights=False, splits=0, reduce="oneshot"):
+def _pair(cfg, tp, bucket, shards_cpu, sms=None, splits=0, reduce="oneshot"):
     from tpmk.kernels.megakernel import Megakernel
     sms = sms or min(16, torch.cuda.get_device_properties(0).multi_processor_count // tp)
     sched = build_schedule(cfg, tp, bucket, sms, num_splits=splits, reduce=reduce)
@@ -23,8 +23,7 @@ def _pair(cfg, tp, bucket, shards_cpu, sms=None, stream_weights=False, splits=0,
     vm = VM(cfg, sched, shards_cpu, kc, vc)
     kg, vg = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
     mk = Megakernel(cfg, sched, [s.to("cuda") for s in shards_cpu], [k.cuda() for k in kg],
-                    [v.cuda() for v in vg], timeout_s=2.0, max_pages_per_seq=PAGES_PER_SEQ,
-                    stream_weights=stream_weights)
+                    [v.cuda() for v in vg], timeout_s=2.0, max_pages_per_seq=PAGES_PER_SEQ)
     return vm, mk
 
 
@@ -101,26 +100,13 @@ def test_reduce_scatter_all_gather(name, tp, bucket):
 
 
 @pytest.mark.gpu
-def test_tiny_weight_stream_matches_interpreter():
-    """The experimental weight stream on rows narrower than a warp's 32 x 16 bytes."""
-    cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
-    _, shards = shards_for(cfg, 2, seed=5, dtype=torch.bfloat16)
-    vm, mk = _pair(cfg, 2, 4, shards, stream_weights=True)
-    worst = _compare_run(vm, mk, PROMPTS, 16, "tiny-gqa tp2 stream")
-    worst = max(worst, _compare_run(vm, mk, PROMPTS + [[1, 2]], 4, "tiny-gqa tp2 stream b4"))
-    print(f"tiny-gqa tp2 weight stream: max rel logit err {worst:.2e}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tp,stream", [(1, False), (8, False), (1, True), (8, True)])
-def test_llama_1b_shapes(tp, stream):
-    """stream: the experimental weight stream (CUDA-core matvec weights through a
-    shared-memory cp.async ring, mk_stream.cuh), else plain 16-byte loads (the default)."""
+@pytest.mark.parametrize("tp", [1, 8])
+def test_llama_1b_shapes(tp):
     cfg = ModelConfig.from_name("llama-3.2-1b").replace(num_hidden_layers=2)
     shards = random_shards(cfg, tp, seed=1)
-    vm, mk = _pair(cfg, tp, 4, shards, stream_weights=stream)
+    vm, mk = _pair(cfg, tp, 4, shards)
     worst = _compare_run(vm, mk, [[1, 2, 3, 128000], [77, 66]], 6, f"1b tp{tp}")
-    print(f"llama-3.2-1b shapes (2 layers) tp{tp} stream={stream}: max rel logit err {worst:.2e}")
+    print(f"llama-3.2-1b shapes (2 layers) tp{tp}: max rel logit err {worst:.2e}")
 
 
 @pytest.mark.gpu

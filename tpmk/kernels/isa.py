@@ -154,8 +154,6 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("page_size", I32, 1), ("num_pages", I32, 1), ("max_pages", I32, 1), ("num_splits", I32, 1),
     ("n_lm_tiles", I32, 1), ("num_instructions", I32, 1),
     ("kmax", I32, 1),             # shared memory: BATCH_CHUNK * kmax f32 inputs, then outputs
-    ("out_max", I32, 1),          # f32 words per batch row after the inputs: linear outputs, split weights
-    ("stream_weights", I32, 1),   # 1: CUDA-core matvecs stream weights through the smem ring; 0: plain loads
     ("stop_after", I32, 1),       # debug: skip instructions whose stage (ARG4) > this; -1 off
     ("eps", F32, 1), ("attn_scale", F32, 1),
 ]

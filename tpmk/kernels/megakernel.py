@@ -53,7 +53,7 @@ MMA_SMEM_WORDS = 64 + 16 * 512 + 8 * (4096 + 8 * 32) + 64 * 128
 
 def out_words(cfg: ModelConfig, sched: Schedule) -> int:
     """f32 words per batch row after linear()'s inputs: its outputs ([rows] of the largest
-    tile) and o_proj's split weights ([hq * splits]); KernelArgs.out_max."""
+    tile) and o_proj's split weights ([hq * splits])."""
     hq, _ = local_heads(cfg, sched.tp)
     rows = [2 * i.nrows if i.name in ("qkv", "gate_up") else i.nrows
             for i in sched.instructions if i.name in ("qkv", "gate_up", "lm_head", "o_proj", "down")]
@@ -61,9 +61,7 @@ def out_words(cfg: ModelConfig, sched: Schedule) -> int:
 
 
 def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
-    """The least dynamic shared memory the ops need. The kernel is launched with all the
-    shared memory a block can have: what the ops leave is the weight-stream ring
-    (mk_stream.cuh), sized on the device from the launch's batch."""
+    """The least dynamic shared memory the ops need; the kernel is launched with it."""
     hq, hkv = local_heads(cfg, sched.tp)
     G, D = hq // hkv, cfg.head_dim
     # attention.cuh: q, acc, scores, m/l/alpha (padded to 4), per-warp V partials
@@ -85,8 +83,7 @@ class Megakernel:
     def __init__(self, cfg: ModelConfig, sched: Schedule, shards: list[RankWeights],
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  loopback: bool = False, timeout_s: float = 5.0, profile: bool = False,
-                 max_pages_per_seq: int = 0, defines: tuple[str, ...] = (), stream_weights: bool = False,
-                 group=None):
+                 max_pages_per_seq: int = 0, defines: tuple[str, ...] = (), group=None):
         """Virtual TP: all tp shards in this process, one cooperative launch on one GPU.
         loopback: one rank alone, peers' slots looped back to its own (benchmarks).
         group: one rank per process (a torch.distributed group whose rank i is TP rank i, gloo
@@ -200,13 +197,11 @@ class Megakernel:
             a.page_size, a.num_pages, a.max_pages = self.page_size, self.num_pages, self.max_pages
             a.num_splits, a.n_lm_tiles = sched.num_splits, sched.n_lm_tiles
             a.num_instructions, a.kmax, a.stop_after = len(sched.instructions), kmax, -1
-            a.out_max, a.stream_weights = out_words(cfg, sched), int(stream_weights)
             a.eps, a.attn_scale = cfg.rms_norm_eps, D ** -0.5
         self._upload_args()
         cubin = compile_megakernel(dtype, defines=defines)
         self.module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.fn = _check(cu.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
-        # All the shared memory a block may have: the rest after the ops' needs is the ring.
         static = _check(cu.cuFuncGetAttribute(
             cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.fn), "cuFuncGetAttribute")
         optin = _check(cu.cuDeviceGetAttribute(
@@ -214,11 +209,9 @@ class Megakernel:
         if optin - static < self.smem:
             raise ValueError(f"megakernel needs {self.smem} B of dynamic shared memory, the device "
                              f"allows {optin - static} B; lower BATCH_CHUNK or tile sizes")
-        self.smem_min, self.smem_max = self.smem, optin - static
         _check(cu.cuFuncSetAttribute(
             self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            self.smem_max), "cuFuncSetAttribute")
-        self.set_stream_weights(stream_weights)
+            self.smem), "cuFuncSetAttribute")
         self.n_local, self.epoch, self.batch = n_local, 0, 0
 
     def close(self) -> None:
@@ -231,18 +224,6 @@ class Megakernel:
     def _upload_args(self) -> None:
         raw = b"".join(bytes(a) for a in self.args)
         self.args_dev = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.header.device)
-
-    def set_stream_weights(self, on: bool) -> None:
-        """Experimental: stream the CUDA-core matvecs' weights through a per-thread
-        shared-memory cp.async ring (mk_stream.cuh; launched with all the shared memory a
-        block may have), first steps issued before each instruction's dependency wait,
-        instead of plain 16-byte loads. Off by default: the earlier block-wide design was
-        slower on an H200 (22.7 vs 11.5 ms per 70B-rank step at batch 1); this one is not
-        yet measured (bench/decode.py --compare-stream)."""
-        for a in self.args:
-            a.stream_weights = int(on)
-        self.smem = self.smem_max if on else self.smem_min
-        self._upload_args()
 
     def set_stop_after(self, stage: int) -> None:
         """Debug: skip every instruction of a stage after `stage` (-1: run everything)."""

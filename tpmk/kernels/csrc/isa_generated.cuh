@@ -106,10 +106,8 @@ struct KernelArgs {
   int n_lm_tiles;
   int num_instructions;
   int kmax;
-  int out_max;
-  int stream_weights;
   int stop_after;
   float eps;
   float attn_scale;
 };
-static_assert(sizeof(KernelArgs) == 632, "KernelArgs drifted from isa.py");
+static_assert(sizeof(KernelArgs) == 624, "KernelArgs drifted from isa.py");

@@ -2,10 +2,9 @@
 // The grid holds `num_local_ranks * sms_per_rank` CTAs: CTA i runs queue
 // (i % sms_per_rank) of rank (i / sms_per_rank) with that rank's KernelArgs
 // (virtual TP: several ranks in one launch on one GPU; one process per GPU: 1 rank).
-// Per CTA: fetch instruction i + 2 into a 3-slot ring, start copying instruction i's
-// weights into shared memory (experimental, mk_stream.cuh) or ask L2 for them, ask L2
-// for those of instruction i + 1 (weights never depend on activations: they flow while
-// this SM waits), wait on instruction i's counters, run the op, signal.
+// Per CTA: fetch instruction i + 2 into a 3-slot ring, ask L2 for instruction i's and
+// i + 1's weights (weights never depend on activations: they flow while this SM waits),
+// wait on instruction i's counters, run the op, signal.
 // Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
 #include "mk_common.cuh"
 #include "mk_sync.cuh"
@@ -35,12 +34,10 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
   __syncthreads();
   const KernelArgs& a = sa;
   const int* hdr = reinterpret_cast<const int*>(a.header);
-  const int batch = hdr[isa::H_BATCH];
   const unsigned epoch = (unsigned)hdr[isa::H_EPOCH];
   const int* instr = reinterpret_cast<const int*>(a.instructions);
   const int i0 = reinterpret_cast<const int*>(a.queue_start)[sm];
   const int i1 = reinterpret_cast<const int*>(a.queue_start)[sm + 1];
-  if (threadIdx.x == 0) ring_init(a, batch);   // read after the loop's first barrier
   unsigned long long* prof = reinterpret_cast<unsigned long long*>(a.profile);
   if (threadIdx.x < 2 * isa::INSTR_WORDS && i0 + threadIdx.x / isa::INSTR_WORDS < i1)
     sins[threadIdx.x / isa::INSTR_WORDS][threadIdx.x % isa::INSTR_WORDS] =
@@ -53,12 +50,10 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
     if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
     if (!runs_here(a, ins)) continue;   // an all-gather tile another rank owns
-    // This instruction's weights: every thread's first steps into its shared-memory ring
-    // when it streams (experimental, mk_stream.cuh), else an L2 hint; then the next
-    // instruction's into L2. All of it flows while this SM waits on its counters.
-    const bool streams = stream_start(a, ins, batch, smem);
+    // This instruction's weights, then the next one's, into L2 while this SM waits on its
+    // counters.
     if (threadIdx.x == 0) {
-      if (!streams) prefetch_instruction(a, ins, hdr);
+      prefetch_instruction(a, ins, hdr);
 #ifndef MK_NO_NEXT_PREFETCH
       if (i + 1 < i1) prefetch_instruction(a, sins[(cur + 1) % 3], hdr);
 #endif

@@ -84,7 +84,7 @@ struct Tile {
 };
 
 // The tile of a linear op (qkv, gate_up, o_proj, down, lm_head); false for other ops.
-// The ops, the L2 prefetch and the weight stream all take their tile from here.
+// The ops and the L2 prefetch take their tile from here.
 __device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins, Tile& t) {
   const int l = ins[isa::F_LAYER], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
   const size_t H = a.hidden, D = a.head_dim, I = a.inter, hq = a.q_heads, hkv = a.kv_heads;
@@ -256,7 +256,7 @@ __device__ __forceinline__ float* matvec_scratch() {
 
 // How a block splits a matvec of nrows x K: MV_ROWS-row groups, and with few groups K
 // slices too (ks * groups <= NWARPS). Warp w takes groups w / ks, w / ks + NWARPS / ks, ...
-// over K columns [kbeg, kend). Shared by the plain matvec and the weight stream (mk_stream.cuh).
+// over K columns [kbeg, kend).
 struct MvSplit {
   int groups, ks, kbeg, kend;
 };

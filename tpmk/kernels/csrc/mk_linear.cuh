@@ -1,11 +1,9 @@
 // linear(): the one entry point of every matvec op (qkv, o_proj, gate_up, down, lm_head).
 // batch >= MMA_MIN_BATCH (bf16): tensor-core passes of up to MMA_PASS rows (mk_mma.cuh), each
-// weight tile read once per pass; smaller batches: CUDA-core matvec over BATCH_CHUNK rows,
-// weights streamed through the shared-memory ring (mk_stream.cuh) when the tile fits it.
+// weight tile read once per pass; smaller batches: CUDA-core matvec over BATCH_CHUNK rows.
 #pragma once
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
-#include "mk_stream.cuh"
 
 // Batch rows per linear() call for a tile of nrows outputs.
 __device__ __forceinline__ int linear_chunk(int batch, int nrows) {
@@ -45,13 +43,6 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   }
 #endif
   float* xs = base;
-  if (stream_on(batch, K)) {   // one pass (batch <= BATCH_CHUNK); its first steps are in flight
-    float* outs = smem + ring().outs;
-    load_x(a, src, b0, nb, K, xs, red);
-    matvec_ring(K, xs, nb, nrows, row, smem, outs);
-    __syncthreads();
-    return outs;
-  }
   float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb][nrows]
   load_x(a, src, b0, nb, K, xs, red);
   matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; });
