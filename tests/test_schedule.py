@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from tpmk.config import ModelConfig
-from tpmk.kernels.schedule import build_schedule
+from tpmk.kernels.schedule import HOP_S, LINK_BYTES_PER_S, build_schedule, choose_reduce
 
 CASES = [("tiny", 1, 1, 3), ("tiny", 8, 4, 5), ("tiny-gqa", 4, 3, 7), ("llama-3.2-1b", 1, 8, 132),
          ("llama-3-70b", 8, 1, 132), ("llama-3-70b", 8, 128, 132)]
@@ -54,3 +54,54 @@ def test_queues_are_balanced():
     s = build_schedule(ModelConfig.from_name("llama-3-70b"), 8, 1, 132)
     lens = [len(s.queue(i)) for i in range(s.num_sms)]
     assert max(lens) - min(lens) <= 1
+
+
+def _off_rank_bytes(s, cfg, rank: int) -> int:
+    """Bytes `rank` stores into other ranks' memory in one step's layer-0 residuals (both),
+    counted from the schedule's instructions: o_proj / down partial pushes, and the
+    all-gather writes of x by the owner's residual (rsag)."""
+    total = 0
+    for ins in s.instructions:
+        if ins.layer != 0 or not ins.runs_on(rank, s.tp):
+            continue
+        row_bytes = ins.nrows * s.bucket * 4   # f32 [bucket, nrows] columns of x
+        if ins.name in ("o_proj", "down"):
+            total += row_bytes * sum(1 for p in ins.push_ranks(s.tp) if p != rank)
+        elif ins.name == "residual" and ins.arg0 > 0 and ins.owner and ins.signal_peers:
+            total += row_bytes * (s.tp - 1)
+    return total
+
+
+@pytest.mark.parametrize("tp,bucket", [(2, 1), (2, 128), (4, 8), (4, 64), (8, 1), (8, 4), (8, 16), (8, 128)])
+def test_auto_reduce_picks_the_mode_that_moves_its_bytes_sooner(tp, bucket):
+    cfg = ModelConfig.from_name("llama-3-70b")
+    one = build_schedule(cfg, tp, bucket, 132, reduce="oneshot")
+    rsag = build_schedule(cfg, tp, bucket, 132, reduce="rsag")
+    S = 2 * bucket * cfg.hidden_size * 4   # two residuals of a layer, f32 partials
+    # traffic per rank read off the schedules (rank-average: owners differ per tile)
+    t_one = sum(_off_rank_bytes(one, cfg, r) for r in range(tp)) / tp
+    t_rsag = sum(_off_rank_bytes(rsag, cfg, r) for r in range(tp)) / tp
+    assert t_one == pytest.approx((tp - 1) * S)
+    assert t_rsag == pytest.approx(2 * (tp - 1) / tp * S)
+    # rsag pays one more hop per residual (two per layer)
+    expect = "rsag" if t_rsag / LINK_BYTES_PER_S + 2 * HOP_S < t_one / LINK_BYTES_PER_S else "oneshot"
+    auto = build_schedule(cfg, tp, bucket, 132, reduce="auto")
+    assert auto.reduce == choose_reduce(cfg, tp, bucket) == expect
+    assert [i.encode() for i in auto.instructions] == \
+        [i.encode() for i in (rsag if expect == "rsag" else one).instructions]
+    if tp == 2:
+        assert expect == "oneshot"   # same bytes, one hop fewer
+    if tp == 8 and bucket >= 16:
+        assert expect == "rsag"      # (tp - 1) S against 2 (tp - 1) / tp S: 4x the bytes
+    if bucket == 1:
+        assert expect == "oneshot"   # 32 KB per rank: latency, not bandwidth
+
+
+def test_reduce_choice_is_validated():
+    cfg = ModelConfig.from_name("tiny")
+    with pytest.raises(ValueError, match="reduce='ring'"):
+        build_schedule(cfg, 2, 1, 3, reduce="ring")
+    from tpmk.config import RuntimeConfig
+    assert RuntimeConfig().reduce == "auto"
+    with pytest.raises(ValueError, match="reduce='ring' is not supported"):
+        RuntimeConfig(reduce="ring")

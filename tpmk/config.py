@@ -230,6 +230,7 @@ MODEL_REGISTRY: dict[str, ModelConfig] = {
 
 
 REDUCE_MODES = ("oneshot", "rsag")   # how o_proj / down partial sums meet (kernels/schedule.py)
+REDUCE_CHOICES = ("auto", *REDUCE_MODES)   # auto: per batch bucket (schedule.choose_reduce)
 
 
 @dataclass
@@ -247,13 +248,13 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     seed: int = 0
     profile: str = ""             # megakernel: Chrome-trace JSON of the latest decode step
-    reduce: str = "oneshot"       # instruction-stream engines: oneshot | rsag (kernels/schedule.py)
+    reduce: str = "auto"          # instruction-stream engines: auto | oneshot | rsag (kernels/schedule.py)
 
     def __post_init__(self):
         if self.tp not in (1, 2, 4, 8):
             raise ValueError(f"tp={self.tp} is not supported; use 1, 2, 4 or 8")
-        if self.reduce not in REDUCE_MODES:
-            raise ValueError(f"reduce={self.reduce!r} is not supported; use one of {REDUCE_MODES}")
+        if self.reduce not in REDUCE_CHOICES:
+            raise ValueError(f"reduce={self.reduce!r} is not supported; use one of {REDUCE_CHOICES}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.num_pages == 0:
@@ -271,4 +272,4 @@ class RuntimeConfig:
         return "bfloat16" if self.resolved_device() == "cuda" else "float32"
 
 
-__all__ = ["ModelConfig", "RopeScaling", "RuntimeConfig", "MODEL_REGISTRY", "REDUCE_MODES"]
+__all__ = ["ModelConfig", "RopeScaling", "RuntimeConfig", "MODEL_REGISTRY", "REDUCE_MODES", "REDUCE_CHOICES"]

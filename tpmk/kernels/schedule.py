@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpmk.config import REDUCE_MODES, ModelConfig
+from tpmk.config import REDUCE_CHOICES, ModelConfig
 from tpmk.kernels.isa import INSTR_WORDS
 from tpmk.kernels.ops import (Argmax, Attention, Down, Embed, GateUp, Instruction, LmHead,
                               OProj, Qkv, Residual)
@@ -66,6 +66,25 @@ class Schedule:
 
 MAX_TILE_ROWS = 256  # bounds the per-tile output staging in shared memory
 
+# choose_reduce's cost model (a model, not yet measured: no multi-GPU machine so far).
+LINK_BYTES_PER_S = 450e9   # NVLink 4 (H100 / H200), per GPU and direction
+HOP_S = 3e-6               # rsag's second hop: the owner's stores + flag to every peer
+
+
+def choose_reduce(cfg: ModelConfig, tp: int, bucket: int) -> str:
+    """oneshot or rsag for one residual of `bucket` rows: whichever moves its bytes sooner.
+    A rank's partial is S = bucket * hidden * 4 bytes (f32). One-shot sends it to the tp - 1
+    peers in one hop: (tp - 1) S. Reduce-scatter + all-gather sends (tp - 1) / tp of it to
+    the owners, then the owned 1 / tp, summed, to the tp - 1 peers: 2 (tp - 1) / tp S, one
+    hop more. At tp 2 both move S, so one-shot always; at tp 8 (hidden 8192) rsag from
+    bucket 8, at tp 4 from bucket 28."""
+    if tp == 1:
+        return "oneshot"
+    S = bucket * cfg.hidden_size * 4
+    oneshot = (tp - 1) * S / LINK_BYTES_PER_S
+    rsag = 2 * (tp - 1) / tp * S / LINK_BYTES_PER_S + HOP_S
+    return "rsag" if rsag < oneshot else "oneshot"
+
 
 def _tiles(total: int, num_sms: int, multiple: int) -> list[tuple[int, int]]:
     """Cut `total` rows into about num_sms tiles (sizes multiples of `multiple`, <= MAX_TILE_ROWS)."""
@@ -91,11 +110,14 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
       "rsag": reduce-scatter + all-gather: a tile's partials go to its owner rank only
         (tile % tp), the owner sums them, adds the residual and writes the result into
         every rank's x (two hops, 2 (tp - 1) / tp x the data per rank instead of tp - 1).
+      "auto": choose_reduce(cfg, tp, bucket); Schedule.reduce holds the mode chosen.
     """
     if bucket < 1 or num_sms < 1:
         raise ValueError(f"bucket={bucket} and num_sms={num_sms} must be >= 1")
-    if reduce not in REDUCE_MODES:
-        raise ValueError(f"reduce={reduce!r}; use one of {REDUCE_MODES}")
+    if reduce not in REDUCE_CHOICES:
+        raise ValueError(f"reduce={reduce!r}; use one of {REDUCE_CHOICES}")
+    if reduce == "auto":
+        reduce = choose_reduce(cfg, tp, bucket)
     rsag = reduce == "rsag"
     hq, hkv = local_heads(cfg, tp)
     D, H, L = cfg.head_dim, cfg.hidden_size, cfg.num_hidden_layers

@@ -6,7 +6,7 @@ import argparse
 import socket
 from pathlib import Path
 
-from tpmk.config import MODEL_REGISTRY, REDUCE_MODES, RuntimeConfig
+from tpmk.config import MODEL_REGISTRY, REDUCE_CHOICES, RuntimeConfig
 from tpmk.engine.api import EngineClient
 from tpmk.engine.worker import ENGINES, is_virtual_tp, supports_per_process
 
@@ -115,10 +115,11 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "max-seq-len (default)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="decode eagerly on GPU (reference engine)")
-    p.add_argument("--reduce", default=d.reduce, choices=REDUCE_MODES,
+    p.add_argument("--reduce", default=d.reduce, choices=REDUCE_CHOICES,
                    help="interpreter / megakernel: how the o_proj and down partial sums meet; "
                         "oneshot: every rank pushes to every rank (one hop), rsag: "
-                        "reduce-scatter to each tile's owner + all-gather (default %(default)s)")
+                        "reduce-scatter to each tile's owner + all-gather, auto: whichever an "
+                        "NVLink cost model says is faster at --max-batch (default %(default)s)")
     p.add_argument("--profile", default="", metavar="TRACE.json",
                    help="megakernel: write per-instruction start/end times of the latest decode "
                         "step as a Chrome trace (open in chrome://tracing or Perfetto)")
@@ -131,7 +132,7 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
     if args.profile and args.engine != "megakernel":
         raise ValueError(f"--profile needs --engine megakernel (got --engine {args.engine}): "
                          "only the megakernel records per-instruction timestamps")
-    if args.reduce != "oneshot" and args.engine not in ("interpreter", "megakernel"):
+    if args.reduce not in ("auto", "oneshot") and args.engine not in ("interpreter", "megakernel"):
         raise ValueError(f"--reduce {args.reduce} needs --engine interpreter or megakernel (got "
                          f"--engine {args.engine}): only the instruction stream has the choice")
     return RuntimeConfig(
