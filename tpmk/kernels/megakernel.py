@@ -152,14 +152,13 @@ class Megakernel:
                       counters=((sched.num_counters * isa.COUNTER_STRIDE,), torch.int32),
                       attn_slots=((sched.tp, B, H), torch.float32), mlp_slots=((sched.tp, B, H), torch.float32),
                       cand=(isa.cand_shape(sched.tp, sched.n_lm_tiles, B), torch.float32))
+        if group is not None:   # one rank per process (n_local == 1, checked above): one region
+            from tpmk.comm.region import PeerRegion
+            self._region = PeerRegion(shared, dev, group)
         self.bufs = []
         for _ in range(n_local):
-            if group is None:
-                peer_written = {k: torch.zeros(shape, dtype=dt, device=dev) for k, (shape, dt) in shared.items()}
-            else:
-                from tpmk.comm.region import PeerRegion
-                self._region = PeerRegion(shared, dev, group)
-                peer_written = self._region.tensors
+            peer_written = self._region.tensors if self._region is not None else {
+                k: torch.zeros(shape, dtype=dt, device=dev) for k, (shape, dt) in shared.items()}
             self.bufs.append(dict(
                 q=torch.zeros(B, hq * D, **f32),
                 attn_part=torch.zeros(B, hq, sched.num_splits, D + 2, **f32),
