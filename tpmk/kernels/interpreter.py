@@ -176,19 +176,17 @@ class VM:
         instrs = self.sched.instructions
         waiting: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         heap = []
-        prio = {}
+        prio, pending = {}, {}
         for r in range(self.tp):
             for idx, ins in enumerate(instrs):
                 prio[(r, idx)] = rng.random()
                 waits = ins.waits if ins.runs_on(r, self.tp) else []
                 missing = [(c, n) for c, n in waits if self.counters[r][c] < self.epoch * n]
+                pending[(r, idx)] = len(missing)
                 if not missing:
                     heapq.heappush(heap, (prio[(r, idx)], r, idx))
                 for c, n in missing:
                     waiting.setdefault((r, c), []).append((r, idx, n))
-        pending = {(r, idx): sum(self.counters[r][c] < self.epoch * n for c, n in ins.waits)
-                   if ins.runs_on(r, self.tp) else 0
-                   for r in range(self.tp) for idx, ins in enumerate(instrs)}
         done = 0
         while heap:
             _, r, idx = heapq.heappop(heap)

@@ -121,6 +121,9 @@ __device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins,
   }
 }
 
+// The rank that owns an instruction's tile (reduce-scatter target, all-gather source).
+__device__ __forceinline__ int owner_rank(const KernelArgs& a, const int* ins) { return ins[isa::F_TILE] % a.tp; }
+
 // A linear op's input rows: x[b * ldx + k] (RMSNorm with weight nw fused when nw != null),
 // or, when part != null, the attention output merged from its splits (o_proj).
 struct XSrc {

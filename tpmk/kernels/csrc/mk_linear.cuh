@@ -60,7 +60,7 @@ __device__ void linear_push(const KernelArgs& a, const int* ins, int batch, cons
   linear_tile(a, ins, tile);
   const int c0 = ins[isa::F_ROW0], n = tile.nrows, chunk = linear_chunk(batch, n);
   const bool rs = ins[isa::F_SIGNAL_PEERS] & isa::SIG_OWNER;
-  const int p0 = rs ? ins[isa::F_TILE] % a.tp : 0, p1 = rs ? p0 + 1 : a.tp;
+  const int p0 = rs ? owner_rank(a, ins) : 0, p1 = rs ? p0 + 1 : a.tp;
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
     const float* outs = linear(a, batch, tile.K, b0, nb, n, src, tile.rows, smem);   // [nb, n]

@@ -12,7 +12,7 @@
 // Scope: .gpu when every rank of the launch lives on this GPU (virtual TP, loopback);
 // -DMK_SYS_SCOPE for peers on other GPUs (NVLink), where only .sys covers both sides.
 #pragma once
-#include "isa_generated.cuh"
+#include "mk_common.cuh"
 
 #ifdef MK_SYS_SCOPE
 #define MK_SCOPE "sys"
@@ -74,9 +74,6 @@ __device__ bool wait_counter(const KernelArgs& a, const int* ins, int which, uns
   }
   return true;
 }
-
-// The rank that owns an instruction's tile (reduce-scatter target, all-gather source).
-__device__ __forceinline__ int owner_rank(const KernelArgs& a, const int* ins) { return ins[isa::F_TILE] % a.tp; }
 
 // An all-gather instruction (OWNER + PEERS bits) runs on its owner rank only; the other
 // ranks skip it, waits included (its counters are only signalled on the owner).
