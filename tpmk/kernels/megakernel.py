@@ -47,8 +47,8 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
     return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
 
 
-# mk_mma.cuh: MMA_SS_WORDS + MMA_XWORDS + MMA_OUT_WORDS f32 words (bf16 tensor-core matvec)
-MMA_SMEM_WORDS = 64 + 16 * 512 + 8 * (4096 + 8 * 32) + 64 * 128
+# mk_mma.cuh: MMA_SS_WORDS + MMA_STAGE_WORDS + MMA_XWORDS + MMA_OUT_WORDS f32 words (bf16 tensor-core matvec)
+MMA_SMEM_WORDS = 64 + 8 * 512 + 8 * 2048 + 8 * (2048 + 8 * 32) + 64 * 128
 
 
 def out_words(cfg: ModelConfig, sched: Schedule) -> int:

@@ -37,7 +37,7 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   float* base = smem + NWARPS * BATCH_CHUNK;
 #ifdef MK_HAS_MMA
   if (batch >= MMA_MIN_BATCH) {
-    float* outs = base + MMA_SS_WORDS + MMA_XWORDS;
+    float* outs = base + MMA_OUT_AT;
     matvec_mma(a, K, b0, nb, nrows, src, row, outs, base);
     return outs;
   }

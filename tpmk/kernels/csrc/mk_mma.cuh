@@ -16,12 +16,14 @@
 constexpr int MMA_MIN_BATCH = 5;
 
 constexpr int MMA_PASS = 64;                         // batch rows per pass (8 n-tiles)
-constexpr int MMA_KC1 = 4096;                        // K chunk for 1 n-tile; KC = MMA_KC1 / NT
-constexpr int MMA_F4 = MMA_KC1 * 8 / 4 / NTHREADS;   // float4 of x per thread per chunk (16)
+constexpr int MMA_KC1 = 2048;                        // K chunk for 1 n-tile; KC = MMA_KC1 / NT
+constexpr int MMA_F4 = MMA_KC1 * 8 / 4 / NTHREADS;   // float4 of x per thread per chunk (8)
 constexpr int MMA_SS_WORDS = MMA_PASS + MMA_F4 * NTHREADS;   // ss[b], then per-float4 partials
+constexpr int MMA_STAGE_WORDS = 8 * MMA_KC1;         // the next chunk's f32 inputs [NB][KC] (cp.async)
 constexpr int MMA_XWORDS = 8 * (MMA_KC1 + 8 * 32);   // NT*8 rows x (KC + 32) x (hi, lo) bf16, in f32 words
 constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrows]
-constexpr int MMA_SMEM_WORDS = MMA_SS_WORDS + MMA_XWORDS + MMA_OUT_WORDS;   // after the red area
+constexpr int MMA_OUT_AT = MMA_SS_WORDS + MMA_STAGE_WORDS + MMA_XWORDS;   // outs, after the red area
+constexpr int MMA_SMEM_WORDS = MMA_OUT_AT + MMA_OUT_WORDS;
 
 __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
@@ -41,19 +43,45 @@ __device__ __forceinline__ int mma_pass_rows(int nrows) {
 // code carries no per-element branch on the source).
 enum FillMode { FILL_PLAIN = 0, FILL_NORM = 1, FILL_MERGE = 2 };
 
-// One K chunk of the B operand: xh/xl[b][kk] = hi/lo bf16 of xin(b0 + b, kc0 + kk) (times the
-// norm weight in FILL_NORM), b < NB (rows >= nb are zeros), MMA_F4 float4 per thread.
-// Thread float4 e (f = tid + e * NTHREADS) is row f / RF at every chunk, so FILL_NORM sums its
-// squares in ssq[f] across chunks (reduced once per pass, not per chunk); it needs the
-// norm weights of at most NWV distinct columns per chunk.
-template <int NT, int MODE>
-__device__ __forceinline__ void mma_fill(const KernelArgs& a, const float* x, int ldx, const wtype* nw,
-                                         const float* part, const float* coef, int K, int kc0, int b0,
-                                         int nb, __nv_bfloat16* xh, __nv_bfloat16* xl, float* ssq) {
+// hi + lo bf16 of 4 floats -> xh/xl (x = hi + lo to ~2^-17).
+__device__ __forceinline__ void put_hilo(float4 v, __nv_bfloat16* xh, __nv_bfloat16* xl) {
+  const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
+  const __nv_bfloat162 l0 = __floats2bfloat162_rn(v.x - __low2float(h0), v.y - __high2float(h0));
+  const __nv_bfloat162 l1 = __floats2bfloat162_rn(v.z - __low2float(h1), v.w - __high2float(h1));
+  *reinterpret_cast<uint2*>(xh) = make_uint2(bf2_bits(h0), bf2_bits(h1));
+  *reinterpret_cast<uint2*>(xl) = make_uint2(bf2_bits(l0), bf2_bits(l1));
+}
+
+// Thread float4 e of a chunk is f = tid + e * NTHREADS: row f / RF, columns kc0 + f % RF * 4..+3,
+// the same at every chunk (so FILL_NORM keeps its sums of squares in ssq[f] across chunks and
+// a thread converts exactly the stage words its own cp.async wrote).
+//
+// Plain and normed inputs: the chunk's f32 rows are copied to `stage` with cp.async (L2 -> smem,
+// no registers) one chunk ahead: they fly while the MMAs of the current chunk run. Rows >= nb and
+// columns >= K are zero-filled (src-size 0).
+template <int NT>
+__device__ __forceinline__ void mma_stage(const float* x, int ldx, int K, int kc0, int b0, int nb, float* stage) {
+  constexpr int RF = MMA_KC1 / NT / 4;
+#pragma unroll
+  for (int e = 0; e < MMA_F4; e++) {
+    const int f = threadIdx.x + e * NTHREADS, b = f / RF, k = kc0 + f % RF * 4;
+    const bool ok = b < nb && k < K;
+    const float* src = ok ? x + (size_t)(b0 + b) * ldx + k : x;
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(stage + 4 * f);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// stage -> xh/xl (times the norm weight with NORM, its squares summed into ssq).
+template <int NT, bool NORM>
+__device__ __forceinline__ void mma_convert(const wtype* nw, int K, int kc0, const float* stage,
+                                            __nv_bfloat16* xh, __nv_bfloat16* xl, float* ssq) {
   constexpr int KC = MMA_KC1 / NT, XS = KC + 32, RF = KC / 4;
-  constexpr int FG = MODE == FILL_MERGE ? 4 : 8, NWV = RF > NTHREADS ? RF / NTHREADS : 1;
+  constexpr int NWV = RF > NTHREADS ? RF / NTHREADS : 1;   // distinct norm-weight columns
+  asm volatile("cp.async.wait_all;" ::: "memory");   // this thread's own copies
   float wf[NWV][4];
-  if constexpr (MODE == FILL_NORM) {
+  if constexpr (NORM) {
 #pragma unroll
     for (int j = 0; j < NWV; j++) {
       const int k = kc0 + (threadIdx.x + j * NTHREADS) % RF * 4;
@@ -64,53 +92,59 @@ __device__ __forceinline__ void mma_fill(const KernelArgs& a, const float* x, in
     }
   }
 #pragma unroll
+  for (int e = 0; e < MMA_F4; e++) {
+    const int f = threadIdx.x + e * NTHREADS, b = f / RF, kk = f % RF * 4;
+    float4 v = *reinterpret_cast<const float4*>(stage + 4 * f);
+    if constexpr (NORM) {
+      ssq[f] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;   // this thread's slot
+      const float* w = wf[e % NWV];
+      v.x *= w[0]; v.y *= w[1]; v.z *= w[2]; v.w *= w[3];
+    }
+    put_hilo(v, xh + b * XS + kk, xl + b * XS + kk);
+  }
+}
+
+// o_proj's input: the attention splits merged (merged4) straight into xh/xl, loads batched.
+template <int NT>
+__device__ __forceinline__ void mma_fill_merge(const KernelArgs& a, const float* part, const float* coef, int K,
+                                               int kc0, int b0, int nb, __nv_bfloat16* xh, __nv_bfloat16* xl) {
+  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, RF = KC / 4, FG = 4;
+#pragma unroll
   for (int e0 = 0; e0 < MMA_F4; e0 += FG) {
     float4 v[FG];
 #pragma unroll
-    for (int q = 0; q < FG; q++) {   // all loads first (the smem stores below are generic)
+    for (int q = 0; q < FG; q++) {
       const int f = threadIdx.x + (e0 + q) * NTHREADS, b = f / RF, k = kc0 + f % RF * 4;
-      const bool ok = b < nb && k < K;
-      if constexpr (MODE == FILL_MERGE)
-        v[q] = ok ? merged4<4>(a, part, coef, b0, b, k) : make_float4(0.f, 0.f, 0.f, 0.f);   // o_proj
-      else
-        v[q] = ok ? __ldcg(reinterpret_cast<const float4*>(x + (size_t)(b0 + b) * ldx + k))
-                  : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[q] = b < nb && k < K ? merged4<4>(a, part, coef, b0, b, k) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int q = 0; q < FG; q++) {
-      const int e = e0 + q, f = threadIdx.x + e * NTHREADS, b = f / RF, kk = f % RF * 4;
-      float4 xv = v[q];
-      if constexpr (MODE == FILL_NORM) {
-        ssq[f] += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;   // this thread's slot
-        const float* w = wf[e % NWV];
-        xv.x *= w[0]; xv.y *= w[1]; xv.z *= w[2]; xv.w *= w[3];
-      }
-      const __nv_bfloat162 h0 = __floats2bfloat162_rn(xv.x, xv.y), h1 = __floats2bfloat162_rn(xv.z, xv.w);
-      const __nv_bfloat162 l0 = __floats2bfloat162_rn(xv.x - __low2float(h0), xv.y - __high2float(h0));
-      const __nv_bfloat162 l1 = __floats2bfloat162_rn(xv.z - __low2float(h1), xv.w - __high2float(h1));
-      *reinterpret_cast<uint2*>(xh + b * XS + kk) = make_uint2(bf2_bits(h0), bf2_bits(h1));
-      *reinterpret_cast<uint2*>(xl + b * XS + kk) = make_uint2(bf2_bits(l0), bf2_bits(l1));
+      const int f = threadIdx.x + (e0 + q) * NTHREADS, b = f / RF, kk = f % RF * 4;
+      put_hilo(v[q], xh + b * XS + kk, xl + b * XS + kk);
     }
   }
 }
 
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
-// NT n-tiles of 8 batch rows. Per K chunk: all threads fill x[NB][KC] (16 float4 each, loads
-// batched), then warps (m-tile of 16 rows, K part) run the MMAs; K parts interleave 32-wide
-// k blocks of the chunk and are summed in fixed order, as are the RMSNorm partial sums.
+// NT n-tiles of 8 batch rows; warps take (m-tile of 16 rows, K part); K parts interleave the
+// 32-wide k blocks of each chunk and are summed in fixed order, as are the RMSNorm partials.
+// Pipelined: a warp's weight loads run one group of U k blocks ahead of its MMAs, across chunk
+// boundaries (weights never wait for activations), and the next chunk's inputs are in flight
+// (cp.async) while this chunk's MMAs run; only the f32 -> hi/lo conversion sits between the
+// two barriers of a chunk.
 template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, RF = KC / 4;
-  constexpr int U = NT >= 8 ? 2 : 4;
+  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, RF = KC / 4, U = NT >= 8 ? 2 : 4;
   static_assert(NB * RF == MMA_F4 * NTHREADS, "x chunk = MMA_F4 float4 per thread");
   float* ss = sm;                          // [NB]
   float* ssq = sm + MMA_PASS;              // [MMA_F4 * NTHREADS] per-float4 partials of sum x^2
-  __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(sm + MMA_SS_WORDS);
+  float* stage = sm + MMA_SS_WORDS;        // [NB][KC] f32
+  __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(stage + MMA_STAGE_WORDS);
   __nv_bfloat16* xl = xh + NB * XS;
-  float* part = sm + MMA_SS_WORDS;         // [NWARPS][NT][4][32], reuses the chunk after the K loop
+  float* part = stage + MMA_STAGE_WORDS;   // [NWARPS][NT][4][32], reuses xh/xl after the K loop
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int mtiles = (nrows + 15) / 16;
+  const int mtiles = (nrows + 15) / 16, nchunks = (K + KC - 1) / KC;
   const float* sx = src.x;
   const float* sp = src.part;
   const wtype* nw = src.nw;
@@ -121,8 +155,23 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     const int mcount = min(NWARPS, mtiles - mt0), ks = NWARPS / mcount;
     const int mt = mt0 + warp / ks, kp = warp % ks;
     const bool active = warp / ks < mcount;
+    const int groups = (NKB + ks * U - 1) / (ks * U);   // per chunk, the same for every warp
+    const int ngroups = nchunks * groups;
     const wtype* wa = row(min(mt * 16 + g, nrows - 1));
     const wtype* wb = row(min(mt * 16 + g + 8, nrows - 1));
+    // Group gi (chunk gi / groups): k blocks kp + (gi % groups * U + u) * ks of its chunk;
+    // zeros past the last group.
+    auto load_group = [&](int gi, uint4 (&ua)[U], uint4 (&ub)[U]) {
+      const int kc0 = gi / groups * KC, kb0 = kp + gi % groups * U * ks;
+      const bool live = active && gi < ngroups;
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int kb = kb0 + u * ks, k = kc0 + kb * 32 + 8 * t;
+        const bool ok = live && kb < NKB && k < K;
+        ua[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wa + k)) : make_uint4(0, 0, 0, 0);
+        ub[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wb + k)) : make_uint4(0, 0, 0, 0);
+      }
+    };
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; n++)
@@ -130,47 +179,45 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
 #pragma unroll
     for (int e = 0; e < MMA_F4; e++) ssq[e * NTHREADS + threadIdx.x] = 0.f;   // this thread's slots
-    for (int kc0 = 0; kc0 < K; kc0 += KC) {
-      __syncthreads();   // the previous chunk (or pass) is no longer read
+    uint4 ca[U], cb[U];
+    load_group(0, ca, cb);
+    if (mode != FILL_MERGE) mma_stage<NT>(sx, ldx, K, 0, b0, nb, stage);
+    for (int c = 0; c < nchunks; c++) {
+      const int kc0 = c * KC;
+      __syncthreads();   // the previous chunk's xh/xl are no longer read
       if (warp == NWARPS - 1 && kc0 + KC < K) {   // hint: next chunk's weights -> L2
         const unsigned bytes = (unsigned)min(KC, K - kc0 - KC) * sizeof(wtype);
         for (int r = lane; r < nrows; r += 32)
           asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row(r) + kc0 + KC), "r"(bytes) : "memory");
       }
-      if (mode == FILL_NORM)
-        mma_fill<NT, FILL_NORM>(a, sx, ldx, nw, sp, coef, K, kc0, b0, nb, xh, xl, ssq);
-      else if (mode == FILL_MERGE)
-        mma_fill<NT, FILL_MERGE>(a, sx, ldx, nw, sp, coef, K, kc0, b0, nb, xh, xl, ssq);
-      else
-        mma_fill<NT, FILL_PLAIN>(a, sx, ldx, nw, sp, coef, K, kc0, b0, nb, xh, xl, ssq);
-      __syncthreads();
-      if (active) {
-        for (int kb = kp; kb < NKB; kb += ks * U) {
-          uint4 ua[U], ub[U];
+      if (mode == FILL_NORM) mma_convert<NT, true>(nw, K, kc0, stage, xh, xl, ssq);
+      else if (mode == FILL_PLAIN) mma_convert<NT, false>(nw, K, kc0, stage, xh, xl, ssq);
+      else mma_fill_merge<NT>(a, sp, coef, K, kc0, b0, nb, xh, xl);
+      __syncthreads();   // xh/xl hold chunk c; the stage is free
+      if (mode != FILL_MERGE && c + 1 < nchunks) mma_stage<NT>(sx, ldx, K, kc0 + KC, b0, nb, stage);
+      for (int gc = 0; gc < groups; gc++) {
+        uint4 na[U], nb2[U];
+        load_group(c * groups + gc + 1, na, nb2);
+        if (active) {
 #pragma unroll
           for (int u = 0; u < U; u++) {
-            const int k = kc0 + (kb + u * ks) * 32 + 8 * t;
-            const bool ok = kb + u * ks < NKB && k < K;
-            ua[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wa + k)) : make_uint4(0, 0, 0, 0);
-            ub[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wb + k)) : make_uint4(0, 0, 0, 0);
-          }
-#pragma unroll
-          for (int u = 0; u < U; u++) {
-            const int kbu = kb + u * ks;
+            const int kbu = kp + (gc * U + u) * ks;
             if (kbu < NKB && kc0 + kbu * 32 < K) {   // warp-uniform
 #pragma unroll
               for (int n = 0; n < NT; n++) {
                 const int off = (n * 8 + g) * XS + kbu * 32 + 8 * t;
                 const uint4 bh = *reinterpret_cast<const uint4*>(xh + off);
                 const uint4 bl = *reinterpret_cast<const uint4*>(xl + off);
-                mma_bf16(acc[n], ua[u].x, ub[u].x, ua[u].y, ub[u].y, bh.x, bh.y);
-                mma_bf16(acc[n], ua[u].z, ub[u].z, ua[u].w, ub[u].w, bh.z, bh.w);
-                mma_bf16(acc[n], ua[u].x, ub[u].x, ua[u].y, ub[u].y, bl.x, bl.y);
-                mma_bf16(acc[n], ua[u].z, ub[u].z, ua[u].w, ub[u].w, bl.z, bl.w);
+                mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bh.x, bh.y);
+                mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bh.z, bh.w);
+                mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bl.x, bl.y);
+                mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bl.z, bl.w);
               }
             }
           }
         }
+#pragma unroll
+        for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
       }
     }
     __syncthreads();   // chunk reads and ssq updates done
