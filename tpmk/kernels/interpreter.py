@@ -35,6 +35,7 @@ class RankState:
     x: torch.Tensor                # [bucket, H] f32
     q: torch.Tensor                # [bucket, Hq * D]
     attn_part: torch.Tensor        # [bucket, Hq, splits, D + 2]
+    attn_out: torch.Tensor         # [bucket, Hq * D] merged by each group's last split
     act: torch.Tensor              # [bucket, I]
     logits: torch.Tensor           # [bucket, Vp]
     tokens_out: torch.Tensor       # [bucket] int64
@@ -48,7 +49,7 @@ class RankState:
         return self.attn_slots if stage % 2 else self.mlp_slots
 
     def poison(self) -> None:
-        for t in (self.x, self.q, self.attn_part, self.act, self.logits, self.topk_values,
+        for t in (self.x, self.q, self.attn_part, self.attn_out, self.act, self.logits, self.topk_values,
                   self.attn_slots, self.mlp_slots, self.cand):
             t.fill_(float("nan"))
         self.tokens_out.fill_(-1)
@@ -79,6 +80,7 @@ class VM:
             w=w, k_cache=k, v_cache=v, x=torch.zeros(B, H, **f32),
             q=torch.zeros(B, self.q_heads * D, **f32),
             attn_part=torch.zeros(B, self.q_heads, sched.num_splits, D + 2, **f32),
+            attn_out=torch.zeros(B, self.q_heads * D, **f32),
             act=torch.zeros(B, self.inter, **f32), logits=torch.zeros(B, vp, **f32),
             tokens_out=torch.zeros(B, dtype=torch.int64),
             topk_values=torch.zeros(B, TOPK, **f32), topk_ids=torch.zeros(B, TOPK, dtype=torch.int64),

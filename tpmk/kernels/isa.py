@@ -58,7 +58,7 @@ class Field(enum.IntEnum):
     COUNT1 = 10
     SIGNAL = 11     # counter id or NO_COUNTER
     SIGNAL_PEERS = 12  # SignalBits: PEERS, OWNER (0: own rank's counter only)
-    ARG2 = 13
+    ARG2 = 13       # op-specific (ATTENTION: its (sequence, kv head) merge ticket counter)
     ARG3 = 14
     ARG4 = 15       # stage number in program order (debug stop_after / op-by-op diff)
 
@@ -134,6 +134,7 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("x", PTR, 1),                                  # [bucket, H] f32 residual stream
     ("q", PTR, 1),                                  # [bucket, Hq * D] f32
     ("attn_part", PTR, 1),                          # [bucket, Hq, splits, D + 2] f32
+    ("attn_out", PTR, 1),                           # [bucket, Hq * D] f32 merged attention
     ("act", PTR, 1),                                # [bucket, I] f32
     ("logits", PTR, 1),                             # [bucket, Vp] f32
     ("tokens_out", PTR, 1),                         # [bucket] int32

@@ -51,31 +51,25 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
 MMA_SMEM_WORDS = 64 + 8 * 512 + 8 * 2048 + 8 * (2048 + 8 * 32) + 64 * 128
 
 
-def out_words(cfg: ModelConfig, sched: Schedule) -> int:
-    """f32 words per batch row after linear()'s inputs: its outputs ([rows] of the largest
-    tile) and o_proj's split weights ([hq * splits])."""
-    hq, _ = local_heads(cfg, sched.tp)
-    rows = [2 * i.nrows if i.name in ("qkv", "gate_up") else i.nrows
-            for i in sched.instructions if i.name in ("qkv", "gate_up", "lm_head", "o_proj", "down")]
-    return max(rows + [hq * sched.num_splits])
+def out_words(sched: Schedule) -> int:
+    """f32 words per batch row after linear()'s inputs: its outputs ([rows] of the largest tile)."""
+    return max(2 * i.nrows if i.name in ("qkv", "gate_up") else i.nrows
+               for i in sched.instructions if i.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
 
 
 def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
     """The least dynamic shared memory the ops need; the kernel is launched with it."""
     hq, hkv = local_heads(cfg, sched.tp)
     G, D = hq // hkv, cfg.head_dim
-    # attention.cuh: q, acc, scores, m/l/alpha (padded to 4), per-warp V partials
+    # attention.cuh: q, acc, scores, m/l/alpha (padded to 4), per-warp V partials; then the
+    # last split's merge: split weights [G, S] (padded to 4), per-thread float4 sums
     attn = 2 * G * D + G * ATTN_CHUNK + ((3 * G + 3) & ~3) + NWARPS * ATTN_HG * D
-    S = sched.num_splits
-    linear = BATCH_CHUNK * (kmax + out_words(cfg, sched))   # inputs, then outputs / split weights
+    merge = ((G * sched.num_splits + 3) & ~3) + 4 * max(NTHREADS, G * D // 4)
+    linear = BATCH_CHUNK * (kmax + out_words(sched))   # inputs, then outputs
     topk = 2 * NWARPS * isa.TOPK                   # argmax.cuh: per-warp (value, id) lists
-    words = max(linear, attn, topk)
+    words = max(linear, attn, merge - NWARPS * BATCH_CHUNK, topk)
     if mma:
         words = max(words, MMA_SMEM_WORDS)
-        o_rows = max((i.nrows for i in sched.instructions if i.name == "o_proj"), default=8)
-        if min(sched.bucket, 64, max(8, 8192 // o_rows // 8 * 8)) * hq * S > 64 * 128:
-            raise ValueError(f"o_proj split weights ({hq} heads x {S} splits) overflow the tensor-core "
-                             f"staging area; use fewer splits")
     return 4 * (NWARPS * BATCH_CHUNK + words)
 
 
@@ -162,6 +156,7 @@ class Megakernel:
             self.bufs.append(dict(
                 q=torch.zeros(B, hq * D, **f32),
                 attn_part=torch.zeros(B, hq, sched.num_splits, D + 2, **f32),
+                attn_out=torch.zeros(B, hq * D, **f32),
                 act=torch.zeros(B, inter, **f32), logits=torch.zeros(B, vp, **f32),
                 tokens_out=torch.zeros(B, dtype=torch.int32, device=dev),
                 topk_values=torch.zeros(B, isa.TOPK, **f32),

@@ -11,7 +11,7 @@ import torch
 from tpmk.kernels.interpreter import VM
 from tpmk.kernels.megakernel import Megakernel
 
-BUFFERS = ("x", "q", "attn_part", "act", "logits", "attn_slots", "mlp_slots")
+BUFFERS = ("x", "q", "attn_part", "attn_out", "act", "logits", "attn_slots", "mlp_slots")
 
 
 def _snapshot_vm(vm: VM) -> list[dict]:

@@ -11,6 +11,9 @@ Counters (per rank, `Schedule.counter_names` for error messages):
                 with reduce="rsag" only on tile j's owner rank, j % tp)
   ready[s]      residual stage s done on this rank (count n_h_tiles)
   qkv[l], attn[l], gate_up[l]   local stage completion (count = tiles)
+  merge[l][b][g]  attention tickets (num_splits > 1): each split of (sequence b, kv head g)
+                takes one; the split drawing a multiple of num_splits is the last of the step
+                and merges the group's splits into attn_out. Nothing waits on a ticket.
   lm            LM-head candidates arrived from every rank (count tp * n_lm_tiles)
   done          argmax finished (count 1)
 Stage s = 0 is the embedding, 2l+1 the attention residual of layer l, 2l+2 its MLP.
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpmk.config import REDUCE_CHOICES, ModelConfig
-from tpmk.kernels.isa import INSTR_WORDS
+from tpmk.kernels.isa import INSTR_WORDS, NO_COUNTER
 from tpmk.kernels.ops import (Argmax, Attention, Down, Embed, GateUp, Instruction, LmHead,
                               OProj, Qkv, Residual)
 from tpmk.partition.weights import local_heads, padded_vocab
@@ -139,6 +142,8 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
     qkv_done = [ctr.new(f"qkv[layer {l}]") for l in range(L)]
     attn_done = [ctr.new(f"attn[layer {l}]") for l in range(L)]
     gu_done = [ctr.new(f"gate_up[layer {l}]") for l in range(L)]
+    merge = [[[ctr.new(f"merge[layer {l}][seq {b}][kv {g}]") if num_splits > 1 else NO_COUNTER
+               for g in range(hkv)] for b in range(bucket)] for l in range(L)]
     lm_tiles = _tiles(vp, num_sms, 8)
     lm = ctr.new("lm")
     done = ctr.new("done")
@@ -163,8 +168,8 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
                    signal=qkv_done[l]) for h in range(n_heads) for p, n in pair_tiles]
         for t, ins in enumerate(qkv):
             ins.tile = t
-        attn = [Attention(layer=l, row0=g, arg0=b, arg1=s, waits=[(qkv_done[l], len(qkv))],
-                          signal=attn_done[l])
+        attn = [Attention(layer=l, row0=g, arg0=b, arg1=s, arg2=merge[l][b][g],
+                          waits=[(qkv_done[l], len(qkv))], signal=attn_done[l])
                 for b in range(bucket) for g in range(hkv) for s in range(num_splits)]
         for t, ins in enumerate(attn):
             ins.tile = t

@@ -73,6 +73,7 @@ struct KernelArgs {
   unsigned long long x;
   unsigned long long q;
   unsigned long long attn_part;
+  unsigned long long attn_out;
   unsigned long long act;
   unsigned long long logits;
   unsigned long long tokens_out;
@@ -110,4 +111,4 @@ struct KernelArgs {
   float eps;
   float attn_scale;
 };
-static_assert(sizeof(KernelArgs) == 624, "KernelArgs drifted from isa.py");
+static_assert(sizeof(KernelArgs) == 632, "KernelArgs drifted from isa.py");

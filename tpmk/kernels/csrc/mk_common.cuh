@@ -124,62 +124,12 @@ __device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins,
 // The rank that owns an instruction's tile (reduce-scatter target, all-gather source).
 __device__ __forceinline__ int owner_rank(const KernelArgs& a, const int* ins) { return ins[isa::F_TILE] % a.tp; }
 
-// A linear op's input rows: x[b * ldx + k] (RMSNorm with weight nw fused when nw != null),
-// or, when part != null, the attention output merged from its splits (o_proj).
+// A linear op's input rows: x[b * ldx + k], with RMSNorm (weight nw) fused when nw != null.
 struct XSrc {
   const float* x;
   int ldx;
   const wtype* nw;
-  const float* part;   // [bucket, Hq, splits, D + 2]: acc[D], m, l per split
 };
-
-// Split weights of the attention merge: coef[(b * Hq + h) * S + s] = e^(m_s - M) / sum_s' e^(m_s' - M) l_s'
-// for rows b0 + b, b < nb (part: [bucket, Hq, S, D + 2] = acc[D], m, l per split).
-// One warp per (row, head), one lane per split (S <= 32: host-checked); a warp's loads for
-// MERGE_PAIRS pairs are issued together (one round trip at batch 1).
-constexpr int MERGE_PAIRS = 4;
-__device__ void merge_coefs(const KernelArgs& a, const float* part, int b0, int nb, float* coef) {
-  const int D = a.head_dim, S = a.num_splits, lane = threadIdx.x & 31, n = nb * a.q_heads;
-  for (int i0 = threadIdx.x >> 5; i0 < n; i0 += NWARPS * MERGE_PAIRS) {
-    float m[MERGE_PAIRS], l[MERGE_PAIRS];
-#pragma unroll
-    for (int j = 0; j < MERGE_PAIRS; j++) {
-      const int i = i0 + j * NWARPS;
-      const float* p = part + (((size_t)b0 * a.q_heads + i) * S + lane) * (D + 2) + D;
-      const bool ok = i < n && lane < S;
-      m[j] = ok ? ld_act(p) : isa::NEG_INF;
-      l[j] = ok ? ld_act(p + 1) : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < MERGE_PAIRS; j++) {
-      const int i = i0 + j * NWARPS;
-      const float M = warp_max(m[j]);   // every lane shuffles
-      const float e = lane < S ? expf(m[j] - M) : 0.f;
-      const float inv = 1.f / warp_sum(e * l[j]);
-      if (i < n && lane < S) coef[i * S + lane] = e * inv;
-    }
-  }
-}
-
-// Merged attention output of row b0 + b, k..k+3 (one head: D % 4 == 0): sum_s coef_s acc_s[d].
-// UNR splits' loads are issued together (16: one round trip at batch 1; the tensor-core
-// path, which calls this 16 times per thread per chunk, keeps its code small with 4).
-template <int UNR>
-__device__ __forceinline__ float4 merged4(const KernelArgs& a, const float* part, const float* coef,
-                                          int b0, int b, int k) {
-  const int D = a.head_dim, S = a.num_splits, h = k / D, d = k % D;
-  const float* p = part + (((size_t)(b0 + b) * a.q_heads + h) * S) * (D + 2) + d;
-  const float* c = coef + (b * a.q_heads + h) * S;
-  float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll UNR
-  for (int s = 0; s < S; s++) {
-    const float2 u = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2)));
-    const float2 v = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2) + 2));
-    const float w = c[s];
-    r.x += w * u.x; r.y += w * u.y; r.z += w * v.x; r.w += w * v.y;
-  }
-  return r;
-}
 
 // xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K.
 // Latency-bound at batch 1: every load is a 16-byte vector and all of a thread's

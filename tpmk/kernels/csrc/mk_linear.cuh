@@ -13,21 +13,6 @@ __device__ __forceinline__ int linear_chunk(int batch, int nrows) {
   return BATCH_CHUNK;
 }
 
-__device__ void load_x(const KernelArgs& a, const XSrc& src, int b0, int nb, int K, float* xs, float* red) {
-  if (!src.part) {
-    load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red);
-    return;
-  }
-  float* coef = xs + nb * K;   // o_proj: K = Hq * D <= kmax; host checks the room
-  merge_coefs(a, src.part, b0, nb, coef);
-  __syncthreads();
-  for (int i = threadIdx.x; i < nb * K / 4; i += NTHREADS) {
-    const int b = i / (K / 4), k = i % (K / 4) * 4;
-    *reinterpret_cast<float4*>(xs + b * K + k) = merged4<16>(a, src.part, coef, b0, b, k);
-  }
-  __syncthreads();
-}
-
 // Returns outs [nb][nrows]: outs[b * nrows + r] = W[row(r)] . xin(b0 + b) for b < nb <=
 // linear_chunk(batch, nrows). Ends with __syncthreads(): outs is readable by every thread
 // (and writable until the caller's next __syncthreads()).
@@ -44,7 +29,7 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
 #endif
   float* xs = base;
   float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb][nrows]
-  load_x(a, src, b0, nb, K, xs, red);
+  load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red);
   matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; });
   __syncthreads();
   return outs;

@@ -39,10 +39,6 @@ __device__ __forceinline__ int mma_pass_rows(int nrows) {
   return max(8, min(MMA_PASS, (MMA_OUT_WORDS / max(nrows, 1)) & ~7));
 }
 
-// How a linear op's input rows reach the tensor cores (one mode per call: the fill's
-// code carries no per-element branch on the source).
-enum FillMode { FILL_PLAIN = 0, FILL_NORM = 1, FILL_MERGE = 2 };
-
 // hi + lo bf16 of 4 floats -> xh/xl (x = hi + lo to ~2^-17).
 __device__ __forceinline__ void put_hilo(float4 v, __nv_bfloat16* xh, __nv_bfloat16* xl) {
   const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
@@ -53,11 +49,10 @@ __device__ __forceinline__ void put_hilo(float4 v, __nv_bfloat16* xh, __nv_bfloa
 }
 
 // Thread float4 e of a chunk is f = tid + e * NTHREADS: row f / RF, columns kc0 + f % RF * 4..+3,
-// the same at every chunk (so FILL_NORM keeps its sums of squares in ssq[f] across chunks and
+// the same at every chunk (so a normed input keeps its sums of squares in ssq[f] across chunks and
 // a thread converts exactly the stage words its own cp.async wrote).
 //
-// Plain and normed inputs: the chunk's f32 rows are copied to `stage` with cp.async (L2 -> smem,
-// no registers) one chunk ahead: they fly while the MMAs of the current chunk run. Rows >= nb and
+// The chunk's f32 input rows are copied to `stage` with cp.async (L2 -> smem, no registers) one chunk ahead: they fly while the MMAs of the current chunk run. Rows >= nb and
 // columns >= K are zero-filled (src-size 0).
 template <int NT>
 __device__ __forceinline__ void mma_stage(const float* x, int ldx, int K, int kc0, int b0, int nb, float* stage) {
@@ -104,27 +99,6 @@ __device__ __forceinline__ void mma_convert(const wtype* nw, int K, int kc0, con
   }
 }
 
-// o_proj's input: the attention splits merged (merged4) straight into xh/xl, loads batched.
-template <int NT>
-__device__ __forceinline__ void mma_fill_merge(const KernelArgs& a, const float* part, const float* coef, int K,
-                                               int kc0, int b0, int nb, __nv_bfloat16* xh, __nv_bfloat16* xl) {
-  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, RF = KC / 4, FG = 4;
-#pragma unroll
-  for (int e0 = 0; e0 < MMA_F4; e0 += FG) {
-    float4 v[FG];
-#pragma unroll
-    for (int q = 0; q < FG; q++) {
-      const int f = threadIdx.x + (e0 + q) * NTHREADS, b = f / RF, k = kc0 + f % RF * 4;
-      v[q] = b < nb && k < K ? merged4<4>(a, part, coef, b0, b, k) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int q = 0; q < FG; q++) {
-      const int f = threadIdx.x + (e0 + q) * NTHREADS, b = f / RF, kk = f % RF * 4;
-      put_hilo(v[q], xh + b * XS + kk, xl + b * XS + kk);
-    }
-  }
-}
-
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
 // NT n-tiles of 8 batch rows; warps take (m-tile of 16 rows, K part); K parts interleave the
 // 32-wide k blocks of each chunk and are summed in fixed order, as are the RMSNorm partials.
@@ -135,7 +109,12 @@ __device__ __forceinline__ void mma_fill_merge(const KernelArgs& a, const float*
 template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, RF = KC / 4, U = NT >= 8 ? 2 : 4;
+  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, RF = KC / 4;
+#ifdef MK_MMA_U
+  constexpr int U = MK_MMA_U;
+#else
+  constexpr int U = NT >= 8 ? 2 : 4;
+#endif
   static_assert(NB * RF == MMA_F4 * NTHREADS, "x chunk = MMA_F4 float4 per thread");
   float* ss = sm;                          // [NB]
   float* ssq = sm + MMA_PASS;              // [MMA_F4 * NTHREADS] per-float4 partials of sum x^2
@@ -146,11 +125,8 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int mtiles = (nrows + 15) / 16, nchunks = (K + KC - 1) / KC;
   const float* sx = src.x;
-  const float* sp = src.part;
   const wtype* nw = src.nw;
-  const int ldx = src.ldx, mode = sp ? FILL_MERGE : nw ? FILL_NORM : FILL_PLAIN;
-  float* coef = outs;   // o_proj split weights, until the epilogue (o_proj tiles: mtiles <= NWARPS)
-  if (sp) merge_coefs(a, sp, b0, nb, coef);   // read after the first __syncthreads
+  const int ldx = src.ldx;
   for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
     const int mcount = min(NWARPS, mtiles - mt0), ks = NWARPS / mcount;
     const int mt = mt0 + warp / ks, kp = warp % ks;
@@ -167,7 +143,11 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
       for (int u = 0; u < U; u++) {
         const int kb = kb0 + u * ks, k = kc0 + kb * 32 + 8 * t;
+#ifdef MK_DIAG_NO_W
+        const bool ok = false;
+#else
         const bool ok = live && kb < NKB && k < K;
+#endif
         ua[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wa + k)) : make_uint4(0, 0, 0, 0);
         ub[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wb + k)) : make_uint4(0, 0, 0, 0);
       }
@@ -181,20 +161,27 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     for (int e = 0; e < MMA_F4; e++) ssq[e * NTHREADS + threadIdx.x] = 0.f;   // this thread's slots
     uint4 ca[U], cb[U];
     load_group(0, ca, cb);
-    if (mode != FILL_MERGE) mma_stage<NT>(sx, ldx, K, 0, b0, nb, stage);
+#ifndef MK_DIAG_NO_X
+    mma_stage<NT>(sx, ldx, K, 0, b0, nb, stage);
+#endif
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
       __syncthreads();   // the previous chunk's xh/xl are no longer read
-      if (warp == NWARPS - 1 && kc0 + KC < K) {   // hint: next chunk's weights -> L2
-        const unsigned bytes = (unsigned)min(KC, K - kc0 - KC) * sizeof(wtype);
-        for (int r = lane; r < nrows; r += 32)
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row(r) + kc0 + KC), "r"(bytes) : "memory");
-      }
-      if (mode == FILL_NORM) mma_convert<NT, true>(nw, K, kc0, stage, xh, xl, ssq);
-      else if (mode == FILL_PLAIN) mma_convert<NT, false>(nw, K, kc0, stage, xh, xl, ssq);
-      else mma_fill_merge<NT>(a, sp, coef, K, kc0, b0, nb, xh, xl);
+#ifndef MMA_PF_AHEAD
+#define MMA_PF_AHEAD 1
+#endif
+      if (warp == NWARPS - 1)   // hint: chunk c + MMA_PF_AHEAD's weights -> L2
+        for (int p = c == 0 ? 1 : MMA_PF_AHEAD; p <= MMA_PF_AHEAD && kc0 + p * KC < K; p++) {
+          const unsigned bytes = (unsigned)min(KC, K - kc0 - p * KC) * sizeof(wtype);
+          for (int r = lane; r < nrows; r += 32)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row(r) + kc0 + p * KC), "r"(bytes) : "memory");
+        }
+      if (nw) mma_convert<NT, true>(nw, K, kc0, stage, xh, xl, ssq);
+      else mma_convert<NT, false>(nw, K, kc0, stage, xh, xl, ssq);
       __syncthreads();   // xh/xl hold chunk c; the stage is free
-      if (mode != FILL_MERGE && c + 1 < nchunks) mma_stage<NT>(sx, ldx, K, kc0 + KC, b0, nb, stage);
+#ifndef MK_DIAG_NO_X
+      if (c + 1 < nchunks) mma_stage<NT>(sx, ldx, K, kc0 + KC, b0, nb, stage);
+#endif
       for (int gc = 0; gc < groups; gc++) {
         uint4 na[U], nb2[U];
         load_group(c * groups + gc + 1, na, nb2);
@@ -221,7 +208,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       }
     }
     __syncthreads();   // chunk reads and ssq updates done
-    if (mode == FILL_NORM)   // row b: the float4 f in [b * RF, (b + 1) * RF), fixed order
+    if (nw)   // row b: the float4 f in [b * RF, (b + 1) * RF), fixed order
       for (int b = warp; b < NB; b += NWARPS) {
         float s2 = 0.f;
         for (int f = b * RF + lane; f < (b + 1) * RF; f += 32) s2 += ssq[f];
@@ -241,7 +228,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       const int n = b >> 3, i = (r16 >> 3) * 2 + (b & 1), ln = (r16 & 7) * 4 + ((b & 7) >> 1);
       float v = 0.f;
       for (int p = 0; p < ks; p++) v += part[(((m * ks + p) * NT + n) * 4 + i) * 32 + ln];
-      if (mode == FILL_NORM) v *= rsqrtf(ss[b] / K + a.eps);
+      if (nw) v *= rsqrtf(ss[b] / K + a.eps);
       outs[b * nrows + r] = v;
     }
   }

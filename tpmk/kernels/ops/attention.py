@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from tpmk.kernels.isa import NEG_INF, Opcode
+from tpmk.kernels.isa import NEG_INF, NO_COUNTER, Opcode
 from tpmk.kernels.ops.base import Instruction
+
+
+def merge_splits(part: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[B, Hq, S, D + 2] split partials -> [B, Hq * D] attention output."""
+    acc, m, l = part[..., :head_dim], part[..., head_dim], part[..., head_dim + 1]
+    w = torch.exp(m - m.max(dim=2, keepdim=True).values)                      # [B, Hq, S]
+    out = (w[..., None] * acc).sum(dim=2) / (w * l).sum(dim=2)[..., None]
+    return out.reshape(part.shape[0], -1)
 
 
 def split_range(ctx: int, split: int, num_splits: int) -> tuple[int, int]:
@@ -15,12 +23,15 @@ def split_range(ctx: int, split: int, num_splits: int) -> tuple[int, int]:
 
 
 class Attention(Instruction):
-    """row0 = local kv head g, arg0 = sequence b, arg1 = split.
+    """row0 = local kv head g, arg0 = sequence b, arg1 = split, arg2 = the (b, g) merge ticket
+    counter (NO_COUNTER with one split).
 
     Writes for each query head h of group g the unnormalised partial
     attn_part[b, h, split] = (acc[D], m, l) with m the max score and
-    l = sum exp(score - m); O_PROJ merges the splits. Sequences b >= batch
-    are no-ops (they still signal, so counts do not depend on the batch).
+    l = sum exp(score - m), then takes a ticket: the split that draws a multiple of
+    num_splits finished last and merges the group's splits into attn_out[b, heads of g]
+    (once per group, not in every O_PROJ tile). Sequences b >= batch are no-ops (they
+    still signal, so counts do not depend on the batch).
     """
     opcode = Opcode.ATTENTION
     name = "attention"
@@ -29,13 +40,23 @@ class Attention(Instruction):
         b, g, split = self.arg0, self.row0, self.arg1
         if b >= vm.batch:
             return
-        st, D, ps = vm.ranks[rank], vm.head_dim, vm.page_size
+        st, D = vm.ranks[rank], vm.head_dim
         G = vm.q_heads // vm.kv_heads
         t0, t1 = split_range(vm.positions[b] + 1, split, vm.num_splits)
         part = st.attn_part[b, g * G:(g + 1) * G, split]                      # [G, D + 2]
         if t1 <= t0:
             part[:, :D], part[:, D], part[:, D + 1] = 0.0, NEG_INF, 0.0
-            return
+        else:
+            self._partial(vm, st, b, g, G, t0, t1, part)
+        if self.arg2 != NO_COUNTER:   # the ticket (a counter nothing waits on)
+            vm.counters[rank][self.arg2] += 1
+            if vm.counters[rank][self.arg2] % vm.num_splits:
+                return
+        heads = slice(g * G, (g + 1) * G)
+        st.attn_out[b].view(-1, D)[heads] = merge_splits(st.attn_part[b:b + 1, heads], D).view(G, D)
+
+    def _partial(self, vm, st, b: int, g: int, G: int, t0: int, t1: int, part: torch.Tensor) -> None:
+        D, ps = vm.head_dim, vm.page_size
         t = torch.arange(t0, t1)
         pages = vm.pages[b, t // ps].long()
         k = st.k_cache[self.layer, pages, g, t % ps].float()                   # [T, D]

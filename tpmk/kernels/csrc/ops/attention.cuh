@@ -1,6 +1,9 @@
 // attention: must match tpmk/kernels/ops/attention.py (Attention). One (sequence ARG0,
 // kv head ROW0, split ARG1): online softmax over the split's tokens in chunks, for the
 // G = Hq / Hkv query heads of the group; writes attn_part[b, h, split] = (acc[D], m, l).
+// Then it takes a ticket (counter ARG2, one increment per split and step): the split that
+// draws a multiple of S finished last and merges the group's S partials into
+// attn_out[b, heads of g] (merge_group), once per group rather than in every o_proj tile.
 //
 // Decode attention is latency-bound, so each chunk costs one round trip to memory:
 // thread (token slot tq, dim octet li) computes its tokens' cache offsets from the page
@@ -11,6 +14,7 @@
 // Head dims: D = 8 * 2^j <= 256 (checked on the host), so D/8 lanes tile a warp.
 #pragma once
 #include "mk_common.cuh"
+#include "mk_sync.cuh"
 
 constexpr int ATTN_CHUNK = 64;    // tokens per pass
 constexpr int ATTN_HG = 4;        // query heads per V accumulation group (registers: 8 each)
@@ -27,6 +31,50 @@ __device__ __forceinline__ Oct ld_oct(const wtype* p) {
 __device__ __forceinline__ void unpack_oct(const Oct& o, float* f) {
 #pragma unroll
   for (int i = 0; i < (int)(sizeof(wtype) / 2); i++) unpack(o.u[i], f + i * VEC);
+}
+
+// attn_out[b, (g G + h) D + d] = sum_s coef[h, s] acc_s[d] with coef[h, s] = e^(m_s - M) / sum_s'
+// e^(m_s' - M) l_s' (M: the max of m over the splits); part: the group's [G, S, D + 2].
+// Each output float4 is summed over the splits by P = NTHREADS / (G D / 4) threads (each
+// split's loads issued together: one round trip at batch 1), then in fixed order.
+constexpr int MERGE_UNROLL = 16;
+__device__ void merge_group(const KernelArgs& a, const float* part, float* out, float* smem) {
+  const int D = a.head_dim, G = a.q_heads / a.kv_heads, S = a.num_splits, lane = threadIdx.x & 31;
+  const int n4 = G * D / 4, P = max(1, NTHREADS / n4);
+  float* coef = smem;                  // [G, S]
+  float4* red = reinterpret_cast<float4*>(smem + ((G * S + 3) & ~3));   // [P, n4] when P > 1
+  for (int h = threadIdx.x >> 5; h < G; h += NWARPS) {   // one warp per head, a lane per split
+    const float* p = part + ((size_t)h * S + lane) * (D + 2) + D;
+    const bool ok = lane < S;
+    const float m = ok ? ld_act(p) : isa::NEG_INF, l = ok ? ld_act(p + 1) : 0.f;
+    const float M = warp_max(m), e = ok ? expf(m - M) : 0.f, inv = 1.f / warp_sum(e * l);
+    if (ok) coef[h * S + lane] = e * inv;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n4 * P; i += NTHREADS) {
+    const int o = i % n4, q = i / n4, h = o / (D / 4), d = o % (D / 4) * 4;
+    const float* p = part + (size_t)h * S * (D + 2) + d;
+    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll MERGE_UNROLL
+    for (int s = q; s < S; s += P) {
+      const float2 u = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2)));
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2) + 2));
+      const float w = coef[h * S + s];
+      r.x += w * u.x; r.y += w * u.y; r.z += w * v.x; r.w += w * v.y;
+    }
+    if (P == 1) reinterpret_cast<float4*>(out)[o] = r;
+    else red[q * n4 + o] = r;
+  }
+  if (P == 1) return;
+  __syncthreads();
+  for (int o = threadIdx.x; o < n4; o += NTHREADS) {
+    float4 r = red[o];
+    for (int q = 1; q < P; q++) {
+      const float4 t = red[q * n4 + o];
+      r.x += t.x; r.y += t.y; r.z += t.z; r.w += t.w;
+    }
+    reinterpret_cast<float4*>(out)[o] = r;
+  }
 }
 
 __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
@@ -159,10 +207,23 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
       __syncthreads();
     }
   }
-  float* part = reinterpret_cast<float*>(a.attn_part);
+  float* part = reinterpret_cast<float*>(a.attn_part) + ((size_t)b * a.q_heads + g * G) * S * (D + 2);
   for (int i = threadIdx.x; i < G * (D + 2); i += NTHREADS) {
     const int h = i / (D + 2), d = i % (D + 2);
-    const float v = d < D ? acc[h * D + d] : st[(d - D) * G + h];
-    part[(((size_t)b * a.q_heads + g * G + h) * S + split) * (D + 2) + d] = v;
+    part[((size_t)h * S + split) * (D + 2) + d] = d < D ? acc[h * D + d] : st[(d - D) * G + h];
   }
+  __syncthreads();   // the partial's stores precede thread 0's ticket (release)
+  __shared__ int last;
+  if (threadIdx.x == 0) {
+    unsigned t = 1;
+    const int cid = ins[isa::F_ARG2];
+    if (cid != isa::NO_COUNTER) {   // S > 1
+      fence_acq_rel_sys();
+      t = atomicAdd(reinterpret_cast<unsigned*>(a.counters) + (size_t)cid * isa::COUNTER_STRIDE, 1u) + 1;
+      fence_acq_rel_sys();          // acquire: the other splits' partials
+    }
+    last = t % (unsigned)S == 0;
+  }
+  __syncthreads();
+  if (last) merge_group(a, part, reinterpret_cast<float*>(a.attn_out) + ((size_t)b * a.q_heads + g * G) * D, smem);
 }

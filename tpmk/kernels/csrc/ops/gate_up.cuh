@@ -9,7 +9,7 @@ __device__ __noinline__ void op_gate_up(const KernelArgs& a, const int* ins, con
   Tile tile;
   linear_tile(a, ins, tile);   // gate rows c0 + i, then up rows I + c0 + i
   const XSrc src{reinterpret_cast<const float*>(a.x), H,
-                 reinterpret_cast<const wtype*>(a.post_norm) + (size_t)l * H, nullptr};
+                 reinterpret_cast<const wtype*>(a.post_norm) + (size_t)l * H};
   float* act = reinterpret_cast<float*>(a.act);
   const int chunk = linear_chunk(batch, 2 * n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
