@@ -54,11 +54,12 @@ def test_engine_matches_hf_greedy(name, tp, reduce):
         torch.testing.assert_close(torch.stack(logits[b]), want_logits[:steps], atol=2e-4, rtol=1e-4)
 
 
-def _vm(name, tp, bucket, num_sms, seed=0, reduce="oneshot"):
+def _vm(name, tp, bucket, num_sms, seed=0, reduce="oneshot", splits=0):
     cfg = ModelConfig.from_name(name)
     _, shards = shards_for(cfg, tp, seed=seed)
     kc, vc = empty_caches(cfg, tp, num_pages=24, page_size=PAGE)
-    return VM(cfg, build_schedule(cfg, tp, bucket, num_sms, reduce=reduce), shards, kc, vc)
+    sched = build_schedule(cfg, tp, bucket, num_sms, num_splits=splits, reduce=reduce)
+    return VM(cfg, sched, shards, kc, vc)
 
 
 def _run_prompts(vm, order, seed):
@@ -72,15 +73,19 @@ def _run_prompts(vm, order, seed):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("name,tp,reduce", [("tiny", 2, "oneshot"), ("tiny-gqa", 4, "oneshot"),
-                                             ("tiny", 8, "oneshot"), ("tiny-gqa", 4, "rsag"),
-                                             ("tiny", 8, "rsag")])
-def test_adversarial_orders_are_bit_identical(name, tp, reduce):
-    base = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce), "program", 0)
+@pytest.mark.parametrize("name,tp,reduce,splits", [("tiny", 2, "oneshot", 0), ("tiny-gqa", 4, "oneshot", 0),
+                                                    ("tiny", 8, "oneshot", 0), ("tiny-gqa", 4, "rsag", 0),
+                                                    ("tiny", 8, "rsag", 0), ("tiny-gqa", 2, "oneshot", 3)])
+def test_adversarial_orders_are_bit_identical(name, tp, reduce, splits):
+    """splits=3: whichever split of a group runs last merges it (early steps have empty splits)."""
+    base = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce, splits=splits), "program", 0)
     assert torch.isfinite(base).all()
     for order, seed in [("queue", 1), ("queue", 2), ("adversarial", 3), ("adversarial", 4)]:
-        got = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce), order, seed)
+        got = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce, splits=splits), order, seed)
         assert torch.equal(got, base), f"{order} seed {seed} differs from program order"
+    if splits > 1:   # the merged splits against one split per sequence (a float32 re-association)
+        one = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce, splits=1), "program", 0)
+        torch.testing.assert_close(base, one, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name,tp,sms", [("tiny", 2, 3), ("tiny-gqa", 4, 5), ("tiny-gqa", 8, 2)])
@@ -93,8 +98,8 @@ def test_reduce_scatter_all_gather_equals_one_shot(name, tp, sms):
     assert torch.equal(rsag, oneshot)
 
 
-@pytest.mark.parametrize("reduce", ["oneshot", "rsag"])
-def test_mutation_removing_any_dependency_is_detected(reduce):
+@pytest.mark.parametrize("reduce,splits", [("oneshot", 0), ("rsag", 0), ("oneshot", 3)])
+def test_mutation_removing_any_dependency_is_detected(reduce, splits):
     """Remove one declared wait at a time (one instruction per (opcode, layer, wait) group)
     and run adversarial orders; a detected mutation changes logits or tokens.
 
@@ -104,8 +109,8 @@ def test_mutation_removing_any_dependency_is_detected(reduce):
     before its producer in most orders: we expect every mutation to be caught and
     require >= 90 % so a regression in the adversarial runner fails loudly."""
     name, tp, bucket, sms, seeds = "tiny-gqa", 2, 2, 3, 3
-    base = _run_prompts(_vm(name, tp, bucket, sms, reduce=reduce), "program", 0)
-    vm = _vm(name, tp, bucket, sms, reduce=reduce)
+    base = _run_prompts(_vm(name, tp, bucket, sms, reduce=reduce, splits=splits), "program", 0)
+    vm = _vm(name, tp, bucket, sms, reduce=reduce, splits=splits)
     groups = {}
     for idx, ins in enumerate(vm.sched.instructions):
         for w in range(len(ins.waits)):
@@ -114,7 +119,7 @@ def test_mutation_removing_any_dependency_is_detected(reduce):
     rng = random.Random(0)
     detected, missed = 0, []
     for key, idxs in sorted(groups.items()):
-        vm = _vm(name, tp, bucket, sms, reduce=reduce)
+        vm = _vm(name, tp, bucket, sms, reduce=reduce, splits=splits)
         victim = vm.sched.instructions[rng.choice(idxs)]
         victim.waits = [wt for i, wt in enumerate(victim.waits) if i != key[3]]
         caught = False
@@ -127,14 +132,14 @@ def test_mutation_removing_any_dependency_is_detected(reduce):
             if not torch.equal(got, base):
                 caught = True
                 break
-            vm = _vm(name, tp, bucket, sms, reduce=reduce)
+            vm = _vm(name, tp, bucket, sms, reduce=reduce, splits=splits)
             victim = vm.sched.instructions[rng.choice(idxs)]
             victim.waits = [wt for i, wt in enumerate(victim.waits) if i != key[3]]
         detected += caught
         if not caught:
             missed.append(key)
     frac = detected / len(groups)
-    print(f"mutation test ({reduce}): {detected}/{len(groups)} dependency removals detected "
+    print(f"mutation test ({reduce}, splits {vm.num_splits}): {detected}/{len(groups)} dependency removals detected "
           f"({frac:.0%}); missed: {missed}")
     assert frac >= 0.9, f"only {frac:.0%} of removed dependencies detected; missed {missed}"
 

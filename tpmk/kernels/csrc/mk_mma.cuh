@@ -109,12 +109,7 @@ __device__ __forceinline__ void mma_convert(const wtype* nw, int K, int kc0, con
 template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, RF = KC / 4;
-#ifdef MK_MMA_U
-  constexpr int U = MK_MMA_U;
-#else
-  constexpr int U = NT >= 8 ? 2 : 4;
-#endif
+  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, RF = KC / 4, U = NT >= 8 ? 2 : 4;
   static_assert(NB * RF == MMA_F4 * NTHREADS, "x chunk = MMA_F4 float4 per thread");
   float* ss = sm;                          // [NB]
   float* ssq = sm + MMA_PASS;              // [MMA_F4 * NTHREADS] per-float4 partials of sum x^2
@@ -143,11 +138,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
       for (int u = 0; u < U; u++) {
         const int kb = kb0 + u * ks, k = kc0 + kb * 32 + 8 * t;
-#ifdef MK_DIAG_NO_W
-        const bool ok = false;
-#else
         const bool ok = live && kb < NKB && k < K;
-#endif
         ua[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wa + k)) : make_uint4(0, 0, 0, 0);
         ub[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wb + k)) : make_uint4(0, 0, 0, 0);
       }
@@ -161,27 +152,19 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     for (int e = 0; e < MMA_F4; e++) ssq[e * NTHREADS + threadIdx.x] = 0.f;   // this thread's slots
     uint4 ca[U], cb[U];
     load_group(0, ca, cb);
-#ifndef MK_DIAG_NO_X
     mma_stage<NT>(sx, ldx, K, 0, b0, nb, stage);
-#endif
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
       __syncthreads();   // the previous chunk's xh/xl are no longer read
-#ifndef MMA_PF_AHEAD
-#define MMA_PF_AHEAD 1
-#endif
-      if (warp == NWARPS - 1)   // hint: chunk c + MMA_PF_AHEAD's weights -> L2
-        for (int p = c == 0 ? 1 : MMA_PF_AHEAD; p <= MMA_PF_AHEAD && kc0 + p * KC < K; p++) {
-          const unsigned bytes = (unsigned)min(KC, K - kc0 - p * KC) * sizeof(wtype);
-          for (int r = lane; r < nrows; r += 32)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row(r) + kc0 + p * KC), "r"(bytes) : "memory");
-        }
+      if (warp == NWARPS - 1 && kc0 + KC < K) {   // hint: next chunk's weights -> L2
+        const unsigned bytes = (unsigned)min(KC, K - kc0 - KC) * sizeof(wtype);
+        for (int r = lane; r < nrows; r += 32)
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row(r) + kc0 + KC), "r"(bytes) : "memory");
+      }
       if (nw) mma_convert<NT, true>(nw, K, kc0, stage, xh, xl, ssq);
       else mma_convert<NT, false>(nw, K, kc0, stage, xh, xl, ssq);
       __syncthreads();   // xh/xl hold chunk c; the stage is free
-#ifndef MK_DIAG_NO_X
       if (c + 1 < nchunks) mma_stage<NT>(sx, ldx, K, kc0 + KC, b0, nb, stage);
-#endif
       for (int gc = 0; gc < groups; gc++) {
         uint4 na[U], nb2[U];
         load_group(c * groups + gc + 1, na, nb2);
