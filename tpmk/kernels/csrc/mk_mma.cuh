@@ -52,8 +52,9 @@ __device__ __forceinline__ void put_hilo(float4 v, __nv_bfloat16* xh, __nv_bfloa
 // the same at every chunk (so a normed input keeps its sums of squares in ssq[f] across chunks and
 // a thread converts exactly the stage words its own cp.async wrote).
 //
-// The chunk's f32 input rows are copied to `stage` with cp.async (L2 -> smem, no registers) one chunk ahead: they fly while the MMAs of the current chunk run. Rows >= nb and
-// columns >= K are zero-filled (src-size 0).
+// The chunk's f32 input rows are copied to `stage` with cp.async (L2 -> smem, no registers)
+// one chunk ahead: they fly while the MMAs of the current chunk run. Rows >= nb and columns
+// >= K are zero-filled (src-size 0).
 template <int NT>
 __device__ __forceinline__ void mma_stage(const float* x, int ldx, int K, int kc0, int b0, int nb, float* stage) {
   constexpr int RF = MMA_KC1 / NT / 4;
@@ -73,18 +74,14 @@ template <int NT, bool NORM>
 __device__ __forceinline__ void mma_convert(const wtype* nw, int K, int kc0, const float* stage,
                                             __nv_bfloat16* xh, __nv_bfloat16* xl, float* ssq) {
   constexpr int KC = MMA_KC1 / NT, XS = KC + 32, RF = KC / 4;
-  constexpr int NWV = RF > NTHREADS ? RF / NTHREADS : 1;   // distinct norm-weight columns
+  static_assert(NTHREADS % RF == 0, "a thread's float4 of a chunk share their 4 columns");
   asm volatile("cp.async.wait_all;" ::: "memory");   // this thread's own copies
-  float wf[NWV][4];
+  float2 w01, w23;   // the norm weights of this thread's columns
   if constexpr (NORM) {
-#pragma unroll
-    for (int j = 0; j < NWV; j++) {
-      const int k = kc0 + (threadIdx.x + j * NTHREADS) % RF * 4;
-      const uint2 u = k < K ? __ldg(reinterpret_cast<const uint2*>(nw + k)) : make_uint2(0, 0);
-      const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-      const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-      wf[j][0] = w01.x; wf[j][1] = w01.y; wf[j][2] = w23.x; wf[j][3] = w23.y;
-    }
+    const int k = kc0 + threadIdx.x % RF * 4;
+    const uint2 u = k < K ? __ldg(reinterpret_cast<const uint2*>(nw + k)) : make_uint2(0, 0);
+    w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
   }
 #pragma unroll
   for (int e = 0; e < MMA_F4; e++) {
@@ -92,8 +89,7 @@ __device__ __forceinline__ void mma_convert(const wtype* nw, int K, int kc0, con
     float4 v = *reinterpret_cast<const float4*>(stage + 4 * f);
     if constexpr (NORM) {
       ssq[f] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;   // this thread's slot
-      const float* w = wf[e % NWV];
-      v.x *= w[0]; v.y *= w[1]; v.z *= w[2]; v.w *= w[3];
+      v.x *= w01.x; v.y *= w01.y; v.z *= w23.x; v.w *= w23.y;
     }
     put_hilo(v, xh + b * XS + kk, xl + b * XS + kk);
   }
