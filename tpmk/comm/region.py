@@ -19,7 +19,7 @@ class _CudaArray:
     """A device pointer seen by torch.as_tensor (__cuda_array_interface__, zero-copy)."""
 
     def __init__(self, ptr: int, shape: tuple, dtype: torch.dtype):
-        typestr = {torch.float32: "<f4", torch.int32: "<i4"}[dtype]
+        typestr = {torch.float32: "<f4", torch.int32: "<i4", torch.int16: "<i2"}[dtype]
         self.__cuda_array_interface__ = dict(data=(ptr, False), shape=tuple(shape), typestr=typestr,
                                              strides=None, version=3)
 

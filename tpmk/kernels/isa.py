@@ -136,6 +136,10 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("attn_part", PTR, 1),                          # [bucket, Hq, splits, D + 2] f32
     ("attn_out", PTR, 1),                           # [bucket, Hq * D] f32 merged attention
     ("act", PTR, 1),                                # [bucket, I] f32
+    # Tensor-core inputs (batch >= MMA_MIN_BATCH), written by their producers as bf16 hi + lo
+    # planes ([2, bucket, K]: value = hi + lo to ~2^-17) so matvecs copy them straight in.
+    ("attn_hl", PTR, 1),                            # attn_out as [2, bucket, Hq * D] bf16
+    ("act_hl", PTR, 1),                             # act as [2, bucket, I] bf16
     ("logits", PTR, 1),                             # [bucket, Vp] f32
     ("tokens_out", PTR, 1),                         # [bucket] int32
     ("topk_values", PTR, 1),                        # [bucket, TOPK] f32, value desc then id asc
@@ -147,16 +151,19 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("peer_attn_slots", PTR, MAX_TP),               # [tp, bucket, H] f32 on each peer
     ("peer_mlp_slots", PTR, MAX_TP),
     ("peer_x", PTR, MAX_TP),                        # [bucket, H] f32 on each peer (all-gather)
+    ("peer_xn", PTR, MAX_TP),                       # x times the next norm's weight, [2, bucket, H] bf16
+    ("peer_xn_ssq", PTR, MAX_TP),                   # [bucket, n_h_tiles] f32: x^2 summed per residual tile
     ("peer_cand", PTR, MAX_TP),                     # cand_shape(tp, n_lm_tiles, bucket) f32 on each peer
     ("timeout_ns", I64, 1),
     ("rank", I32, 1), ("tp", I32, 1), ("num_sms", I32, 1), ("bucket", I32, 1),
     ("num_layers", I32, 1), ("hidden", I32, 1), ("q_heads", I32, 1), ("kv_heads", I32, 1),
     ("head_dim", I32, 1), ("inter", I32, 1), ("vocab_local", I32, 1), ("vocab_size", I32, 1),
     ("page_size", I32, 1), ("num_pages", I32, 1), ("max_pages", I32, 1), ("num_splits", I32, 1),
-    ("n_lm_tiles", I32, 1), ("num_instructions", I32, 1),
+    ("n_lm_tiles", I32, 1), ("n_h_tiles", I32, 1), ("num_instructions", I32, 1),
     ("kmax", I32, 1),             # shared memory: BATCH_CHUNK * kmax f32 inputs, then outputs
     ("stop_after", I32, 1),       # debug: skip instructions whose stage (ARG4) > this; -1 off
     ("eps", F32, 1), ("attn_scale", F32, 1),
+    ("unused", I32, 1),           # an even count of 4-byte members: no tail padding
 ]
 
 _CTYPE = {PTR: ctypes.c_uint64, I32: ctypes.c_int32, F32: ctypes.c_float, I64: ctypes.c_int64}

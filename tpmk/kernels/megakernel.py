@@ -25,6 +25,7 @@ NTHREADS, NWARPS, BATCH_CHUNK = 512, 16, 4   # must match mk_common.cuh
 ATTN_CHUNK, ATTN_HG = 64, 4                    # must match attention.cuh
 HEAD_DIMS = (8, 16, 32, 64, 128, 256)          # attention.cuh: D / 8 lanes per token row tile a warp
 SMEM_LIMIT = 227 * 1024 - 1024
+PEER_ONLY = ("attn_slots", "mlp_slots", "cand", "xn", "xn_ssq")   # KernelArgs has only their peer_ tables
 
 
 def _check(res, what: str):
@@ -47,8 +48,8 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
     return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
 
 
-# mk_mma.cuh: MMA_SS_WORDS + MMA_STAGE_WORDS + MMA_XWORDS + MMA_OUT_WORDS f32 words (bf16 tensor-core matvec)
-MMA_SMEM_WORDS = 64 + 8 * 512 + 8 * 2048 + 8 * (2048 + 8 * 32) + 64 * 128
+# mk_mma.cuh: MMA_PASS + 2 * MMA_XWORDS + MMA_OUT_WORDS f32 words (bf16 tensor-core matvec)
+MMA_SMEM_WORDS = 64 + 2 * 8 * (2048 + 8 * 32) + 64 * 128
 
 
 def out_words(sched: Schedule) -> int:
@@ -142,7 +143,9 @@ class Megakernel:
         self.shards, self.k_caches, self.v_caches = shards, k_caches, v_caches
         # What peers write (and x, which an all-gather writes): torch tensors, or views of one
         # IPC-exportable region per process.
-        shared = dict(x=((B, H), torch.float32),
+        # xn: the tensor cores' input planes of x (hi, lo) as bf16 bits.
+        shared = dict(x=((B, H), torch.float32), xn=((2, B, H), torch.int16),
+                      xn_ssq=((B, sched.n_h_tiles), torch.float32),
                       counters=((sched.num_counters * isa.COUNTER_STRIDE,), torch.int32),
                       attn_slots=((sched.tp, B, H), torch.float32), mlp_slots=((sched.tp, B, H), torch.float32),
                       cand=(isa.cand_shape(sched.tp, sched.n_lm_tiles, B), torch.float32))
@@ -158,6 +161,8 @@ class Megakernel:
                 attn_part=torch.zeros(B, hq, sched.num_splits, D + 2, **f32),
                 attn_out=torch.zeros(B, hq * D, **f32),
                 act=torch.zeros(B, inter, **f32), logits=torch.zeros(B, vp, **f32),
+                attn_hl=torch.zeros(2, B, hq * D, device=dev, dtype=torch.bfloat16),
+                act_hl=torch.zeros(2, B, inter, device=dev, dtype=torch.bfloat16),
                 tokens_out=torch.zeros(B, dtype=torch.int32, device=dev),
                 topk_values=torch.zeros(B, isa.TOPK, **f32),
                 topk_ids=torch.zeros(B, isa.TOPK, dtype=torch.int32, device=dev),
@@ -171,10 +176,11 @@ class Megakernel:
                         qkv=w.qkv, o_proj=w.o_proj, post_norm=w.post_norm, gate_up=w.gate_up, down=w.down,
                         k_cache=k_caches[i], v_cache=v_caches[i], rope_inv_freq=self.inv_freq,
                         header=self.header, instructions=self.instructions, queue_start=self.queue_start,
-                        error=self.error, **{k: v for k, v in buf.items() if k not in ("attn_slots", "mlp_slots", "cand")})
+                        error=self.error, **{k: v for k, v in buf.items() if k not in PEER_ONLY})
             for k, t in ptrs.items():
                 if t is not None and not t.is_contiguous():
                     raise ValueError(f"rank {rank}: {k} must be contiguous")
+                assert hasattr(isa.KernelArgs, k), f"buffer {k} is not a KernelArgs field"
                 setattr(a, k, 0 if t is None else t.data_ptr())
             for p in range(sched.tp):
                 if peer_bases is not None:   # rank p's region, mapped here; same layout as ours
@@ -184,12 +190,13 @@ class Megakernel:
                     ptr = {k: peer[k].data_ptr() for k in shared}
                 a.peer_counters[p], a.peer_attn_slots[p] = ptr["counters"], ptr["attn_slots"]
                 a.peer_mlp_slots[p], a.peer_cand[p], a.peer_x[p] = ptr["mlp_slots"], ptr["cand"], ptr["x"]
+                a.peer_xn[p], a.peer_xn_ssq[p] = ptr["xn"], ptr["xn_ssq"]
             a.timeout_ns = int(timeout_s * 1e9)
             a.rank, a.tp, a.num_sms, a.bucket = rank, sched.tp, sched.num_sms, B
             a.num_layers, a.hidden, a.q_heads, a.kv_heads = cfg.num_hidden_layers, H, hq, hkv
             a.head_dim, a.inter, a.vocab_local, a.vocab_size = D, inter, vp, cfg.vocab_size
             a.page_size, a.num_pages, a.max_pages = self.page_size, self.num_pages, self.max_pages
-            a.num_splits, a.n_lm_tiles = sched.num_splits, sched.n_lm_tiles
+            a.num_splits, a.n_lm_tiles, a.n_h_tiles = sched.num_splits, sched.n_lm_tiles, sched.n_h_tiles
             a.num_instructions, a.kmax, a.stop_after = len(sched.instructions), kmax, -1
             a.eps, a.attn_scale = cfg.rms_norm_eps, D ** -0.5
         self._upload_args()

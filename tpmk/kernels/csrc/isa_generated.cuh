@@ -75,6 +75,8 @@ struct KernelArgs {
   unsigned long long attn_part;
   unsigned long long attn_out;
   unsigned long long act;
+  unsigned long long attn_hl;
+  unsigned long long act_hl;
   unsigned long long logits;
   unsigned long long tokens_out;
   unsigned long long topk_values;
@@ -86,6 +88,8 @@ struct KernelArgs {
   unsigned long long peer_attn_slots[8];
   unsigned long long peer_mlp_slots[8];
   unsigned long long peer_x[8];
+  unsigned long long peer_xn[8];
+  unsigned long long peer_xn_ssq[8];
   unsigned long long peer_cand[8];
   long long timeout_ns;
   int rank;
@@ -105,10 +109,12 @@ struct KernelArgs {
   int max_pages;
   int num_splits;
   int n_lm_tiles;
+  int n_h_tiles;
   int num_instructions;
   int kmax;
   int stop_after;
   float eps;
   float attn_scale;
+  int unused;
 };
-static_assert(sizeof(KernelArgs) == 632, "KernelArgs drifted from isa.py");
+static_assert(sizeof(KernelArgs) == 784, "KernelArgs drifted from isa.py");

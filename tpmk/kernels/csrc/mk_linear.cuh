@@ -8,7 +8,7 @@
 // Batch rows per linear() call for a tile of nrows outputs.
 __device__ __forceinline__ int linear_chunk(int batch, int nrows) {
 #ifdef MK_HAS_MMA
-  if (batch >= MMA_MIN_BATCH) return mma_pass_rows(nrows);
+  if (mma_batch(batch)) return mma_pass_rows(nrows);
 #endif
   return BATCH_CHUNK;
 }
@@ -21,7 +21,7 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   float* red = smem;
   float* base = smem + NWARPS * BATCH_CHUNK;
 #ifdef MK_HAS_MMA
-  if (batch >= MMA_MIN_BATCH) {
+  if (mma_batch(batch)) {
     float* outs = base + MMA_OUT_AT;
     matvec_mma(a, K, b0, nb, nrows, src, row, outs, base);
     return outs;

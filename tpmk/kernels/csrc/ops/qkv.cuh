@@ -12,8 +12,7 @@ __device__ __noinline__ void op_qkv(const KernelArgs& a, const int* ins, const i
   const int* pages = pos + a.bucket;
   Tile tile;
   linear_tile(a, ins, tile);   // rows p0 + i, then half + p0 + i, of this head
-  const XSrc src{reinterpret_cast<const float*>(a.x), H,
-                 reinterpret_cast<const wtype*>(a.input_norm) + (size_t)l * H};
+  const XSrc src = normed_x(a, reinterpret_cast<const wtype*>(a.input_norm) + (size_t)l * H);
   const float* inv_freq = reinterpret_cast<const float*>(a.rope_inv_freq);
   const int chunk = linear_chunk(batch, 2 * n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {

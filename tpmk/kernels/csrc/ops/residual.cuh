@@ -1,34 +1,67 @@
 // residual: must match tpmk/kernels/ops/residual.py (Residual).
 // x[b, cols] (+)= slot[0] + slot[1] + ... + slot[tp-1], fixed rank order (bit-identical ranks).
 // All-gather form (OWNER bit; runs on the owner only): the result also goes to every peer's x.
+// At batch >= MMA_MIN_BATCH it also prepares the next RMSNorm's tensor-core input: x times
+// that norm's weight as hi + lo planes (xn) and the tile's sum of x^2 per row (xn_ssq).
 #pragma once
 #include "mk_common.cuh"
 
+// The RMSNorm weight applied to the output of residual stage s (0: embedding, 2l + 1:
+// attention of layer l, 2l + 2: its MLP): post_norm[l] before gate_up, else the next
+// layer's input_norm before qkv, or final_norm before the LM head.
+__device__ __forceinline__ const wtype* next_norm(const KernelArgs& a, int s) {
+  const size_t H = a.hidden;
+  if (s % 2) return reinterpret_cast<const wtype*>(a.post_norm) + (size_t)(s / 2) * H;
+  if (s / 2 < a.num_layers) return reinterpret_cast<const wtype*>(a.input_norm) + (size_t)(s / 2) * H;
+  return reinterpret_cast<const wtype*>(a.final_norm);
+}
+
 __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  const int batch = hdr[isa::H_BATCH], c0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
+  const int batch = hdr[isa::H_BATCH], c0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS], tile = ins[isa::F_TILE];
   const int stage = ins[isa::F_ARG0], set = ins[isa::F_ARG1];
   const bool ag = ins[isa::F_SIGNAL_PEERS] & isa::SIG_OWNER;   // peer_x[rank] is this rank's x
+  const int p0 = ag ? 0 : a.rank, p1 = ag ? a.tp : a.rank + 1;  // whose x (and xn) get the result
+  const bool mma = mma_batch(batch);
   const float* slots = reinterpret_cast<const float*>(
       (stage & 1) ? a.peer_attn_slots[a.rank] : a.peer_mlp_slots[a.rank]);
-  float* x = reinterpret_cast<float*>(a.x);
+  const float* x = reinterpret_cast<const float*>(a.x);
+  const wtype* nw = next_norm(a, stage);
   const size_t plane = (size_t)a.bucket * a.hidden;
-  const int n4 = n / 4;   // tiles and hidden are multiples of 8 (host-checked): float4 columns
-  for (int idx = threadIdx.x; idx < batch * n4; idx += NTHREADS) {
-    const size_t off = (size_t)(idx / n4) * a.hidden + c0 + 4 * (idx % n4);
-    float4 v[isa::MAX_TP];   // every rank's partial and x in one round trip
+  const int n4 = n / 4, lane = threadIdx.x & 31;   // tiles and hidden are multiples of 8 (host-checked)
+  int sw = 1;   // lanes per row (a power of two), 32 / sw rows per warp
+  while (sw < n4 && sw < 32) sw <<= 1;
+  const int sub = lane / sw, cl = lane % sw;
+  for (int bw = (threadIdx.x >> 5) * (32 / sw); bw < batch; bw += NWARPS * (32 / sw)) {
+    const int b = bw + sub;
+    float sq = 0.f;
+    for (int c = cl; c < n4 && b < batch; c += sw) {
+      const size_t off = (size_t)b * a.hidden + c0 + 4 * c;
+      float4 v[isa::MAX_TP];   // every rank's partial and x in one round trip
 #pragma unroll
-    for (int r = 0; r < isa::MAX_TP; r++)
-      if (r < a.tp) v[r] = __ldcg(reinterpret_cast<const float4*>(slots + r * plane + off));
-    const float4 xo = set ? make_float4(0.f, 0.f, 0.f, 0.f) : __ldcg(reinterpret_cast<const float4*>(x + off));
-    float4 acc = v[0];
+      for (int r = 0; r < isa::MAX_TP; r++)
+        if (r < a.tp) v[r] = __ldcg(reinterpret_cast<const float4*>(slots + r * plane + off));
+      const float4 xo = set ? make_float4(0.f, 0.f, 0.f, 0.f) : __ldcg(reinterpret_cast<const float4*>(x + off));
+      float4 acc = v[0];
 #pragma unroll
-    for (int r = 1; r < isa::MAX_TP; r++)
-      if (r < a.tp) { acc.x += v[r].x; acc.y += v[r].y; acc.z += v[r].z; acc.w += v[r].w; }
-    if (!set) { acc.x = xo.x + acc.x; acc.y = xo.y + acc.y; acc.z = xo.z + acc.z; acc.w = xo.w + acc.w; }
-    if (ag) {
-      for (int p = 0; p < a.tp; p++) *reinterpret_cast<float4*>(reinterpret_cast<float*>(a.peer_x[p]) + off) = acc;
-    } else {
-      *reinterpret_cast<float4*>(x + off) = acc;
+      for (int r = 1; r < isa::MAX_TP; r++)
+        if (r < a.tp) { acc.x += v[r].x; acc.y += v[r].y; acc.z += v[r].z; acc.w += v[r].w; }
+      if (!set) { acc.x = xo.x + acc.x; acc.y = xo.y + acc.y; acc.z = xo.z + acc.z; acc.w = xo.w + acc.w; }
+      for (int p = p0; p < p1; p++) *reinterpret_cast<float4*>(reinterpret_cast<float*>(a.peer_x[p]) + off) = acc;
+      if constexpr (sizeof(wtype) == 2) {   // mma_batch is false for f32 models
+        if (mma) {
+          sq += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
+          const uint2 u = __ldg(reinterpret_cast<const uint2*>(nw + c0 + 4 * c));
+          const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+          const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+          const float4 xw = make_float4(acc.x * w01.x, acc.y * w01.y, acc.z * w23.x, acc.w * w23.y);
+          for (int p = p0; p < p1; p++) store_hilo(reinterpret_cast<__nv_bfloat16*>(a.peer_xn[p]), plane, off, xw);
+        }
+      }
+    }
+    if (mma) {
+      for (int o = sw / 2; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);   // fixed order
+      if (cl == 0 && b < batch)
+        for (int p = p0; p < p1; p++) reinterpret_cast<float*>(a.peer_xn_ssq[p])[(size_t)b * a.n_h_tiles + tile] = sq;
     }
   }
 }
