@@ -22,7 +22,7 @@ from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
 
 CSRC = Path(__file__).parent / "csrc"
 NTHREADS, NWARPS, BATCH_CHUNK = 512, 16, 4   # must match mk_common.cuh
-ATTN_CHUNK, ATTN_HG = 64, 4                    # must match attention.cuh
+ATTN_CHUNK, ATTN_HG = 128, 4                   # must match attention.cuh
 HEAD_DIMS = (8, 16, 32, 64, 128, 256)          # attention.cuh: D / 8 lanes per token row tile a warp
 SMEM_LIMIT = 227 * 1024 - 1024
 PEER_ONLY = ("attn_slots", "mlp_slots", "cand", "xn", "xn_ssq")   # KernelArgs has only their peer_ tables

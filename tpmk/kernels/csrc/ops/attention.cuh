@@ -16,9 +16,9 @@
 #include "mk_common.cuh"
 #include "mk_sync.cuh"
 
-constexpr int ATTN_CHUNK = 64;    // tokens per pass
+constexpr int ATTN_CHUNK = 128;   // max tokens per pass (the scores' row stride)
 constexpr int ATTN_HG = 4;        // query heads per V accumulation group (registers: 8 each)
-constexpr int ATTN_NLD = ATTN_CHUNK * 32 / NTHREADS;   // max tokens per thread per chunk (D = 256)
+constexpr int ATTN_NLD = 4;       // tokens per thread per pass: a pass is min(ATTN_CHUNK, 4 TPB) tokens
 
 // 8 consecutive cache elements (16 bytes in bf16, 32 in f32), loaded through L2.
 struct Oct { uint4 u[sizeof(wtype) / 2]; };
@@ -90,7 +90,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   const int D = a.head_dim, G = a.q_heads / a.kv_heads, ps = a.page_size, S = a.num_splits;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int LT = D / 8, TPB = NTHREADS / LT;           // lanes per token row, tokens per block load
-  const int li = threadIdx.x % LT, tq = threadIdx.x / LT;
+  const int li = threadIdx.x % LT, tq = threadIdx.x / LT, CH = min(ATTN_CHUNK, ATTN_NLD * TPB);
   const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
   const int* pages = pos + a.bucket + b * a.max_pages;
   const int ctx = pos[b] + 1, per = (ctx + S - 1) / S;
@@ -118,7 +118,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
       }
     }
   };
-  if (t0 < t1) issue(t0, min(ATTN_CHUNK, t1 - t0));
+  if (t0 < t1) issue(t0, min(CH, t1 - t0));
   const float* q = reinterpret_cast<const float*>(a.q) + ((size_t)b * a.q_heads + g * G) * D;
   for (int i = threadIdx.x; i < G * D; i += NTHREADS) {
     qs[i] = ld_act(q + i) * a.attn_scale;
@@ -126,8 +126,8 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   }
   for (int h = threadIdx.x; h < G; h += NTHREADS) { st[h] = isa::NEG_INF; st[G + h] = 0.f; }
   __syncthreads();
-  for (int c0 = t0; c0 < t1; c0 += ATTN_CHUNK) {
-    const int cn = min(ATTN_CHUNK, t1 - c0);
+  for (int c0 = t0; c0 < t1; c0 += CH) {
+    const int cn = min(CH, t1 - c0);
     if (c0 != t0) issue(c0, cn);
     // Scores: sum over the token's LT lanes (xor offsets < LT stay inside the token's lanes).
     for (int h = 0; h < G; h++) {
