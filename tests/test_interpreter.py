@@ -11,7 +11,7 @@ from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine.api import Decode, Prefill, SamplingParams
 from tpmk.engine.interpreter_engine import InterpreterEngine
 from tpmk.kernels.interpreter import VM
-from tpmk.kernels.isa import TOPK
+from tpmk.kernels.isa import MMA_MIN_BATCH, TOPK
 from tpmk.kernels.schedule import build_schedule
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
@@ -53,6 +53,29 @@ def test_engine_matches_hf_greedy(name, tp, reduce):
         assert got[b] == want, f"seq {b}: interpreter {got[b]} != HF {want}"
         torch.testing.assert_close(torch.stack(logits[b]), want_logits[:steps], atol=2e-4, rtol=1e-4)
 
+
+
+def test_tensor_core_batch_takes_bf16_inputs_within_bf16_tolerance_of_hf():
+    """bf16 weights at batch >= MMA_MIN_BATCH: the interpreter rounds every matvec input to
+    bf16 as the megakernel's tensor cores do (the RMSNorm's 1 / rms applied after the dot);
+    HF float32 on the same bf16-rounded weights still agrees within bf16 tolerance."""
+    cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
+    model, shards = shards_for(cfg, 2, seed=3, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    B = MMA_MIN_BATCH + 1
+    prompts = [[5 + 7 * b, 17, 300 - b, 42, 9] for b in range(B)]
+    kc, vc = empty_caches(cfg, 2, num_pages=2 * B, page_size=PAGE, dtype=torch.bfloat16)
+    vm = VM(cfg, build_schedule(cfg, 2, B, 8), shards, kc, vc)
+    for pos in range(len(prompts[0])):
+        vm.step([p[pos] for p in prompts], [pos] * B, [[2 * b, 2 * b + 1] for b in range(B)])
+    assert vm.tensor_cores
+    with torch.no_grad():
+        want = model(torch.tensor(prompts)).logits[:, -1]
+    got = vm.logits()
+    assert float((got - want).abs().max() / want.abs().max()) < 3e-2
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 def _vm(name, tp, bucket, num_sms, seed=0, reduce="oneshot", splits=0):
     cfg = ModelConfig.from_name(name)

@@ -7,11 +7,21 @@ from _mk_helpers import (empty_caches, random_shards, shards_for, stable_topk, t
                          tie_topk_ids, topk_near_ties, with_lm_head)
 from tpmk.config import ModelConfig
 from tpmk.kernels.interpreter import VM
-from tpmk.kernels.isa import TOPK
+from tpmk.kernels.isa import MMA_MIN_BATCH, TOPK
 from tpmk.kernels.schedule import build_schedule
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
 PAGE, PAGES_PER_SEQ = 16, 8
+
+
+def _tol(batch: int) -> float:
+    """Relative logit tolerance (of the largest |logit|) against the interpreter. CUDA-core
+    steps (batch < MMA_MIN_BATCH) take f32 inputs on both sides: only the summation order
+    differs (measured <= 4.5e-4). Tensor-core steps round their inputs to bf16 on both sides,
+    so an f32-level difference can move an input by one bf16 ulp: the interpreter against
+    itself with 1e-7 relative noise on its matvec inputs differs by 3.2e-3 to 4.0e-3
+    (tiny-gqa tp4, batch 70; 2026-12-04)."""
+    return 2e-3 if batch < MMA_MIN_BATCH else 1e-2
 
 
 def _pair(cfg, tp, bucket, shards_cpu, sms=None, splits=0, reduce="oneshot"):
@@ -43,14 +53,14 @@ def _compare_run(vm, mk, prompts, steps, tag):
         want = vm.step(toks, poss, pages)
         got = mk.step(toks, poss, pages).cpu().long()
         wl, gl = vm.logits(), mk.logits().cpu()
-        err = float((gl - wl).abs().max() / wl.abs().max())
+        err, tol = float((gl - wl).abs().max() / wl.abs().max()), _tol(len(live))
         worst = max(worst, err)
-        assert err < 2e-3, f"{tag} pos {pos}: logits rel err {err:.2e}"
+        assert err < tol, f"{tag} pos {pos}: logits rel err {err:.2e}"
         for i, b in enumerate(live):
             if got[i] != want[i]:
                 top = wl[i].topk(2).values
                 gap = float(top[0] - top[1])
-                assert gap < 1e-3 * float(top[0].abs()), (
+                assert gap < tol / 2 * float(top[0].abs()), (
                     f"{tag} seq {b} pos {pos}: megakernel token {int(got[i])} != interpreter "
                     f"{int(want[i])}, top-2 logit gap {gap:.3e}")
                 print(f"{tag}: near-tie at seq {b} pos {pos} (gap {gap:.2e}); stopping comparison")
@@ -147,7 +157,7 @@ def _compare_topk(vm, mk, prompts, tag):
         vi, ii = vm.topk()
         assert torch.equal(ii, stable_topk(wl, TOPK)[1])
         near += [f"{tag} pos {pos} {n}"
-                 for n in topk_near_ties(values, ids, wl, atol=2e-3 * float(wl.abs().max()))]
+                 for n in topk_near_ties(values, ids, wl, atol=_tol(len(live)) * float(wl.abs().max()))]
         steps.append((live, ids, wl))
     for n in near:
         print("top-k near-tie (megakernel vs interpreter):", n)

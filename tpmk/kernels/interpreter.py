@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tpmk.config import ModelConfig
-from tpmk.kernels.isa import NEG_INF, TOPK, cand_shape, check_vocab
+from tpmk.kernels.isa import MMA_MIN_BATCH, NEG_INF, TOPK, cand_shape, check_vocab
 from tpmk.kernels.ops import Instruction
 from tpmk.kernels.schedule import Schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
@@ -91,9 +91,26 @@ class VM:
         self.counters = [[0] * sched.num_counters for _ in range(self.tp)]
 
     # ---- helpers the ops use ------------------------------------------
-    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(dim=-1, keepdim=True)
-        return x * torch.rsqrt(var + self.cfg.rms_norm_eps) * weight.float()
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether this step's matvecs take bf16 inputs, as the megakernel's tensor-core path
+        does (bf16 weights, batch >= MMA_MIN_BATCH); otherwise f32 inputs (CUDA cores)."""
+        return self.batch >= MMA_MIN_BATCH and self.ranks[0].w.qkv.dtype == torch.bfloat16
+
+    def matvec(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [B, K] f32 @ weight rows w [n, K] -> [B, n] f32."""
+        if self.tensor_cores:
+            x = x.to(torch.bfloat16).float()
+        return x @ w.float().T
+
+    def norm_matvec(self, x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x) (weight norm_w) @ weight rows w. The tensor-core path rounds x * norm_w
+        to bf16 (its producer, the residual, writes it so) and applies 1 / rms(x) after the
+        dot products."""
+        r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.cfg.rms_norm_eps)
+        if self.tensor_cores:
+            return (x * norm_w.float()).to(torch.bfloat16).float() @ w.float().T * r
+        return (x * r * norm_w.float()) @ w.float().T
 
     # ---- one step -----------------------------------------------------
     def set_header(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> None:

@@ -28,6 +28,8 @@ ERROR_WORDS = 16
 NO_COUNTER = -1
 NEG_INF = -1.0e30         # finite "minus infinity" for empty softmax splits
 TOPK = 8                  # LM-head candidates per tile and per row (sampling with top_k <= TOPK)
+MMA_MIN_BATCH = 5         # bf16 steps of at least this many rows run their matvecs on tensor cores
+                          # (bf16 inputs); smaller ones on CUDA cores (f32 inputs): faster at batch 1
 
 
 class Opcode(enum.IntEnum):
@@ -136,10 +138,10 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("attn_part", PTR, 1),                          # [bucket, Hq, splits, D + 2] f32
     ("attn_out", PTR, 1),                           # [bucket, Hq * D] f32 merged attention
     ("act", PTR, 1),                                # [bucket, I] f32
-    # Tensor-core inputs (batch >= MMA_MIN_BATCH), written by their producers as bf16 hi + lo
-    # planes ([2, bucket, K]: value = hi + lo to ~2^-17) so matvecs copy them straight in.
-    ("attn_hl", PTR, 1),                            # attn_out as [2, bucket, Hq * D] bf16
-    ("act_hl", PTR, 1),                             # act as [2, bucket, I] bf16
+    # Tensor-core inputs (batch >= MMA_MIN_BATCH), written by their producers rounded to bf16
+    # so the matvecs copy them straight into shared memory.
+    ("attn_bf", PTR, 1),                            # attn_out as [bucket, Hq * D] bf16
+    ("act_bf", PTR, 1),                             # act as [bucket, I] bf16
     ("logits", PTR, 1),                             # [bucket, Vp] f32
     ("tokens_out", PTR, 1),                         # [bucket] int32
     ("topk_values", PTR, 1),                        # [bucket, TOPK] f32, value desc then id asc
@@ -151,7 +153,7 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("peer_attn_slots", PTR, MAX_TP),               # [tp, bucket, H] f32 on each peer
     ("peer_mlp_slots", PTR, MAX_TP),
     ("peer_x", PTR, MAX_TP),                        # [bucket, H] f32 on each peer (all-gather)
-    ("peer_xn", PTR, MAX_TP),                       # x times the next norm's weight, [2, bucket, H] bf16
+    ("peer_xn", PTR, MAX_TP),                       # x times the next norm's weight, [bucket, H] bf16
     ("peer_xn_ssq", PTR, MAX_TP),                   # [bucket, n_h_tiles] f32: x^2 summed per residual tile
     ("peer_cand", PTR, MAX_TP),                     # cand_shape(tp, n_lm_tiles, bucket) f32 on each peer
     ("timeout_ns", I64, 1),
@@ -194,6 +196,7 @@ def generate_header() -> str:
         f"constexpr int NO_COUNTER = {NO_COUNTER};",
         f"constexpr float NEG_INF = {NEG_INF:.1e}f;",
         f"constexpr int TOPK = {TOPK};",
+        f"constexpr int MMA_MIN_BATCH = {MMA_MIN_BATCH};",
         f"constexpr int HDR_TOKENS = {int(HeaderField.TOKENS)};",
     ]
     for cls, prefix in ((Opcode, "OP_"), (Field, "F_"), (SignalBits, "SIG_"), (ErrorField, "E_"),

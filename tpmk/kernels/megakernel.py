@@ -49,7 +49,7 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
 
 
 # mk_mma.cuh: MMA_PASS + 2 * MMA_XWORDS + MMA_OUT_WORDS f32 words (bf16 tensor-core matvec)
-MMA_SMEM_WORDS = 64 + 2 * 8 * (2048 + 8 * 32) + 64 * 128
+MMA_SMEM_WORDS = 64 + 2 * 4 * (4096 + 8 * 32) + 64 * 128
 
 
 def out_words(sched: Schedule) -> int:
@@ -143,8 +143,8 @@ class Megakernel:
         self.shards, self.k_caches, self.v_caches = shards, k_caches, v_caches
         # What peers write (and x, which an all-gather writes): torch tensors, or views of one
         # IPC-exportable region per process.
-        # xn: the tensor cores' input planes of x (hi, lo) as bf16 bits.
-        shared = dict(x=((B, H), torch.float32), xn=((2, B, H), torch.int16),
+        # xn: the tensor cores' input (x times the next norm's weight) as bf16 bits.
+        shared = dict(x=((B, H), torch.float32), xn=((B, H), torch.int16),
                       xn_ssq=((B, sched.n_h_tiles), torch.float32),
                       counters=((sched.num_counters * isa.COUNTER_STRIDE,), torch.int32),
                       attn_slots=((sched.tp, B, H), torch.float32), mlp_slots=((sched.tp, B, H), torch.float32),
@@ -161,8 +161,8 @@ class Megakernel:
                 attn_part=torch.zeros(B, hq, sched.num_splits, D + 2, **f32),
                 attn_out=torch.zeros(B, hq * D, **f32),
                 act=torch.zeros(B, inter, **f32), logits=torch.zeros(B, vp, **f32),
-                attn_hl=torch.zeros(2, B, hq * D, device=dev, dtype=torch.bfloat16),
-                act_hl=torch.zeros(2, B, inter, device=dev, dtype=torch.bfloat16),
+                attn_bf=torch.zeros(B, hq * D, device=dev, dtype=torch.bfloat16),
+                act_bf=torch.zeros(B, inter, device=dev, dtype=torch.bfloat16),
                 tokens_out=torch.zeros(B, dtype=torch.int32, device=dev),
                 topk_values=torch.zeros(B, isa.TOPK, **f32),
                 topk_ids=torch.zeros(B, isa.TOPK, dtype=torch.int32, device=dev),

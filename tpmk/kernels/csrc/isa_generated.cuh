@@ -9,6 +9,7 @@ constexpr int ERROR_WORDS = 16;
 constexpr int NO_COUNTER = -1;
 constexpr float NEG_INF = -1.0e+30f;
 constexpr int TOPK = 8;
+constexpr int MMA_MIN_BATCH = 5;
 constexpr int HDR_TOKENS = 4;
 constexpr int OP_NOP = 0;
 constexpr int OP_EMBED = 1;
@@ -75,8 +76,8 @@ struct KernelArgs {
   unsigned long long attn_part;
   unsigned long long attn_out;
   unsigned long long act;
-  unsigned long long attn_hl;
-  unsigned long long act_hl;
+  unsigned long long attn_bf;
+  unsigned long long act_bf;
   unsigned long long logits;
   unsigned long long tokens_out;
   unsigned long long topk_values;

@@ -125,20 +125,20 @@ __device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins,
 __device__ __forceinline__ int owner_rank(const KernelArgs& a, const int* ins) { return ins[isa::F_TILE] % a.tp; }
 
 // A linear op's input rows: x[b * ldx + k], with RMSNorm (weight nw) fused when nw != null.
-// The tensor cores read the same rows as bf16 hi + lo planes hl ([2, bucket, ldx], already
-// times nw) that the producer wrote, and with nw the sums of squares of x as nss partials
-// per row (ssq[b * nss + j], one per residual tile).
+// The tensor cores read the same rows rounded to bf16 (bf: [bucket, ldx], already times nw)
+// that the producer wrote, and with nw the sums of squares of x as nss partials per row
+// (ssq[b * nss + j], one per residual tile).
 struct XSrc {
   const float* x;
   int ldx;
   const wtype* nw;
-  const __nv_bfloat16* hl;
+  const __nv_bfloat16* bf;
   const float* ssq;
   int nss;
 };
 
 // The residual stream x as the input of the RMSNorm with weight nw that the last residual
-// stage prepared for (its hi + lo planes and sums of squares).
+// stage prepared for (x times nw in bf16 and the sums of squares).
 __device__ __forceinline__ XSrc normed_x(const KernelArgs& a, const wtype* nw) {
   return XSrc{reinterpret_cast<const float*>(a.x), a.hidden, nw,
               reinterpret_cast<const __nv_bfloat16*>(a.peer_xn[a.rank]),
@@ -147,14 +147,13 @@ __device__ __forceinline__ XSrc normed_x(const KernelArgs& a, const wtype* nw) {
 
 #ifndef MK_FLOAT32   // bf16 weights only
 #define MK_HAS_MMA 1
-// Smaller batches stay on the CUDA-core matvec (faster at batch 1 on an H200, 2026-12-03).
-constexpr int MMA_MIN_BATCH = 5;
 #endif
 
-// Whether this step's matvecs run on the tensor cores, so producers also write their hi + lo planes.
+// Whether this step's matvecs run on the tensor cores, so producers also write their outputs
+// in bf16 (isa.MMA_MIN_BATCH: smaller batches stay on the CUDA-core matvec, f32 inputs).
 __device__ __forceinline__ bool mma_batch(int batch) {
 #ifdef MK_HAS_MMA
-  return batch >= MMA_MIN_BATCH;
+  return batch >= isa::MMA_MIN_BATCH;
 #else
   return false;
 #endif
@@ -162,13 +161,10 @@ __device__ __forceinline__ bool mma_batch(int batch) {
 
 __device__ __forceinline__ unsigned bf2_bits(__nv_bfloat162 h) { return *reinterpret_cast<unsigned*>(&h); }
 
-// v -> hi + lo bf16 (v = hi + lo to ~2^-17) at element off of the planes hl and hl + plane.
-__device__ __forceinline__ void store_hilo(__nv_bfloat16* hl, size_t plane, size_t off, float4 v) {
-  const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
-  const __nv_bfloat162 l0 = __floats2bfloat162_rn(v.x - __low2float(h0), v.y - __high2float(h0));
-  const __nv_bfloat162 l1 = __floats2bfloat162_rn(v.z - __low2float(h1), v.w - __high2float(h1));
-  *reinterpret_cast<uint2*>(hl + off) = make_uint2(bf2_bits(h0), bf2_bits(h1));
-  *reinterpret_cast<uint2*>(hl + plane + off) = make_uint2(bf2_bits(l0), bf2_bits(l1));
+// bf[off..off + 4) = v rounded to bf16 (nearest even).
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, float4 v) {
+  *reinterpret_cast<uint2*>(bf + off) = make_uint2(bf2_bits(__floats2bfloat162_rn(v.x, v.y)),
+                                                   bf2_bits(__floats2bfloat162_rn(v.z, v.w)));
 }
 
 // xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K.

@@ -3,10 +3,11 @@
 // Weights are the A operand, straight from global memory with 16-byte loads; the k order
 // inside each 32-wide k block is permuted (lane t loads k = 8t..8t+7 of its rows, which
 // covers two k16 steps) and the B operand (activations, smem) uses the same permutation.
-// Activations are f32 split into hi + lo bf16 (x = hi + lo to ~2^-17), two MMAs each, so the
-// result matches f32 activations x bf16 weights. Their producers (residual: times the next
-// RMSNorm's weight; attention merge; gate_up) write the hi and lo planes (XSrc.hl), which
-// are copied into shared memory as they are (cp.async, no registers).
+// Activations are bf16, as in the reference engine's cuBLAS matmuls: their producers
+// (residual: times the next RMSNorm's weight; attention merge; gate_up) write them rounded
+// to bf16 (XSrc.bf), and they are copied into shared memory as they are (cp.async, no
+// registers). (Splitting them into hi + lo bf16 planes, f32-exact with two MMAs each, cost
+// 6 % of the step at batch 32 and 128 on an H200.)
 // RMSNorm is fused as a post-scale: W (x * w) * rsqrt(mean(x^2) + eps), the sum of squares
 // from the residual tiles' partials (XSrc.ssq).
 #pragma once
@@ -15,9 +16,9 @@
 #ifdef MK_HAS_MMA
 
 constexpr int MMA_PASS = 64;                         // batch rows per pass (8 n-tiles)
-constexpr int MMA_KC1 = 2048;                        // K chunk for 1 n-tile; KC = MMA_KC1 / NT
-constexpr int MMA_PIECES = 2 * MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
-constexpr int MMA_XWORDS = 8 * (MMA_KC1 + 8 * 32);   // NT*8 rows x (KC + 32) x (hi, lo) bf16, in f32 words
+constexpr int MMA_KC1 = 4096;                        // K chunk for 1 n-tile; KC = MMA_KC1 / NT
+constexpr int MMA_PIECES = MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
+constexpr int MMA_XWORDS = 4 * (MMA_KC1 + 8 * 32);   // NT*8 rows x (KC + 32) bf16, in f32 words
 constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrows]
 constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
 constexpr int MMA_SMEM_WORDS = MMA_OUT_AT + MMA_OUT_WORDS;
@@ -34,22 +35,22 @@ __device__ __forceinline__ int mma_pass_rows(int nrows) {
   return max(8, min(MMA_PASS, (MMA_OUT_WORDS / max(nrows, 1)) & ~7));
 }
 
-// Columns [kc0, kc0 + KC) of input rows b0.. of both planes -> xd ([NB][XS] hi, then lo),
-// 16 bytes per cp.async (L2 -> smem), committed as one group. A thread copies column kk =
-// tid % R8 * 8 of rows row0 + i * RS (row0 = tid / R8, RS = NTHREADS / R8, i < 4) of each
-// plane: `src` is its first one (row b0 + row0, column kc0 + kk), `dst` its smem twin.
-// Rows >= nb and columns >= K are zero-filled (src-size 0; `safe` is read instead).
+// Columns [kc0, kc0 + KC) of input rows b0.. -> xd ([NB][XS]), 16 bytes per cp.async (L2 ->
+// smem), committed as one group. A thread copies column kk = tid % R8 * 8 of rows
+// row0 + i * RS (row0 = tid / R8, RS = NTHREADS / R8, i < 8): `src` is its first one
+// (row b0 + row0, column kc0 + kk), `dst` its smem twin. Rows >= nb and columns >= K are
+// zero-filled (src-size 0; `safe` is read instead).
 template <int NT>
-__device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, size_t plane, int ldx, int rows_left,
-                                          bool k_ok, const __nv_bfloat16* safe, __nv_bfloat16* dst) {
+__device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int rows_left, bool k_ok,
+                                          const __nv_bfloat16* safe, __nv_bfloat16* dst) {
   constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, R8 = KC / 8, RS = NTHREADS / R8;
-  static_assert(NTHREADS % R8 == 0 && 4 * RS == NB && MMA_PIECES == 8, "a chunk = 4 rows x 2 planes per thread");
+  static_assert(NTHREADS % R8 == 0 && MMA_PIECES * RS == NB && MMA_PIECES == 8, "a chunk = 8 rows per thread");
 #pragma unroll
   for (int e = 0; e < MMA_PIECES; e++) {
-    const int pl = e / 4, r = e % 4 * RS;
+    const int r = e * RS;
     const bool ok = k_ok && r < rows_left;
-    const __nv_bfloat16* s = ok ? src + pl * plane + (size_t)r * ldx : safe;
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst + (pl * NB + r) * XS);
+    const __nv_bfloat16* s = ok ? src + (size_t)r * ldx : safe;
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst + r * XS);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(s), "r"(ok ? 16 : 0) : "memory");
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
@@ -66,14 +67,13 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
                                            const RowMap& row, float* outs, float* sm) {
   constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? 2 : 4;
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
-  __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [2][NB][XS]
+  __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]
   float* part = sm + MMA_PASS;             // [NWARPS][NT][4][32], reuses the buffers after the K loop
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int mtiles = (nrows + 15) / 16, nchunks = (K + KC - 1) / KC;
-  const size_t plane = (size_t)a.bucket * src.ldx;
   const int row0 = threadIdx.x / (KC / 8), kk = threadIdx.x % (KC / 8) * 8;   // this thread's copies
-  const __nv_bfloat16* hsrc = src.hl + (size_t)(b0 + row0) * src.ldx + kk;
-  __nv_bfloat16* hdst = xbuf + row0 * XS + kk;
+  const __nv_bfloat16* xsrc = src.bf + (size_t)(b0 + row0) * src.ldx + kk;
+  __nv_bfloat16* xdst = xbuf + row0 * XS + kk;
   for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
     const int mcount = min(NWARPS, mtiles - mt0), ks = NWARPS / mcount;
     const int mt = mt0 + warp / ks, kp = warp % ks;
@@ -102,7 +102,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
     uint4 ca[U], cb[U];
     load_group(0, ca, cb);
-    mma_stage<NT>(hsrc, plane, src.ldx, nb - row0, kk < K, src.hl, hdst);
+    mma_stage<NT>(xsrc, src.ldx, nb - row0, kk < K, src.bf, xdst);
     if (src.nw)   // row b's sum of squares: its residual tiles' partials in fixed order
       for (int b = warp; b < nb; b += NWARPS) {
         float s2 = 0.f;
@@ -120,10 +120,9 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
           asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row(r) + kc0 + KC), "r"(bytes) : "memory");
       }
       if (c + 1 < nchunks)
-        mma_stage<NT>(hsrc + kc0 + KC, plane, src.ldx, nb - row0, kc0 + KC + kk < K, src.hl,
-                      hdst + (c + 1) % 2 * 2 * NB * XS);
-      const __nv_bfloat16* xh = xbuf + c % 2 * 2 * NB * XS;
-      const __nv_bfloat16* xl = xh + NB * XS;
+        mma_stage<NT>(xsrc + kc0 + KC, src.ldx, nb - row0, kc0 + KC + kk < K, src.bf,
+                      xdst + (c + 1) % 2 * NB * XS);
+      const __nv_bfloat16* xc = xbuf + c % 2 * NB * XS;
       for (int gc = 0; gc < groups; gc++) {
         uint4 na[U], nb2[U];
         load_group(c * groups + gc + 1, na, nb2);
@@ -135,12 +134,9 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
               for (int n = 0; n < NT; n++) {
                 const int off = (n * 8 + g) * XS + kbu * 32 + 8 * t;
-                const uint4 bh = *reinterpret_cast<const uint4*>(xh + off);
-                const uint4 bl = *reinterpret_cast<const uint4*>(xl + off);
-                mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bh.x, bh.y);
-                mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bh.z, bh.w);
-                mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bl.x, bl.y);
-                mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bl.z, bl.w);
+                const uint4 bx = *reinterpret_cast<const uint4*>(xc + off);
+                mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bx.x, bx.y);
+                mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bx.z, bx.w);
               }
             }
           }

@@ -13,6 +13,6 @@ class Down(Instruction):
     def execute(self, vm, rank: int) -> None:
         st, B = vm.ranks[rank], vm.batch
         cols = slice(self.row0, self.row0 + self.nrows)
-        out = st.act[:B] @ st.w.down[self.layer, cols].float().T
+        out = vm.matvec(st.act[:B], st.w.down[self.layer, cols])
         for p in self.push_ranks(vm.tp):   # every rank, or the columns' owner (reduce-scatter)
             vm.ranks[p].mlp_slots[rank, :B, cols] = out

@@ -15,8 +15,7 @@ class GateUp(Instruction):
     def execute(self, vm, rank: int) -> None:
         st, B, inter = vm.ranks[rank], vm.batch, vm.inter
         c0, n = self.row0, self.nrows
-        xn = vm.rmsnorm(st.x[:B], st.w.post_norm[self.layer])
-        w = st.w.gate_up[self.layer]
-        gate = xn @ w[c0:c0 + n].float().T
-        up = xn @ w[inter + c0:inter + c0 + n].float().T
+        x, nw, w = st.x[:B], st.w.post_norm[self.layer], st.w.gate_up[self.layer]
+        gate = vm.norm_matvec(x, nw, w[c0:c0 + n])
+        up = vm.norm_matvec(x, nw, w[inter + c0:inter + c0 + n])
         st.act[:B, c0:c0 + n] = torch.nn.functional.silu(gate) * up

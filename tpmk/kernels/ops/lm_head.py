@@ -30,8 +30,7 @@ class LmHead(Instruction):
     def execute(self, vm, rank: int) -> None:
         st, B = vm.ranks[rank], vm.batch
         rows = slice(self.row0, self.row0 + self.nrows)
-        xn = vm.rmsnorm(st.x[:B], st.w.final_norm)
-        lg = xn @ st.w.lm_head[rows].float().T                                # [B, n]
+        lg = vm.norm_matvec(st.x[:B], st.w.final_norm, st.w.lm_head[rows])  # [B, n]
         gid = rank * st.w.lm_head.shape[0] + torch.arange(self.row0, self.row0 + self.nrows)
         lg[:, gid >= vm.vocab_size] = NEG_INF
         st.logits[:B, rows] = lg

@@ -14,6 +14,6 @@ class OProj(Instruction):
     def execute(self, vm, rank: int) -> None:
         st, B = vm.ranks[rank], vm.batch
         cols = slice(self.row0, self.row0 + self.nrows)
-        out = st.attn_out[:B] @ st.w.o_proj[self.layer, cols].float().T       # [B, n]
+        out = vm.matvec(st.attn_out[:B], st.w.o_proj[self.layer, cols])      # [B, n]
         for p in self.push_ranks(vm.tp):   # every rank, or the columns' owner (reduce-scatter)
             vm.ranks[p].attn_slots[rank, :B, cols] = out

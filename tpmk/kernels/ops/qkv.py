@@ -22,8 +22,8 @@ class Qkv(Instruction):
         head, p0, n = self.row0, self.arg0, self.nrows
         half = D // 2
         idx = torch.cat([torch.arange(p0, p0 + n), torch.arange(half + p0, half + p0 + n)])
-        xn = vm.rmsnorm(st.x[:B], st.w.input_norm[self.layer])             # [B, H]
-        out = xn @ st.w.qkv[self.layer, head * D + idx].float().T          # [B, 2n]
+        out = vm.norm_matvec(st.x[:B], st.w.input_norm[self.layer],
+                             st.w.qkv[self.layer, head * D + idx])               # [B, 2n]
         hq, hkv = vm.q_heads, vm.kv_heads
         if head < hq + hkv:                                                # q and k: rotate
             pos = torch.tensor(vm.positions[:B], dtype=torch.float32)

@@ -38,12 +38,11 @@ __device__ __forceinline__ void unpack_oct(const Oct& o, float* f) {
 // Each output float4 is summed over the splits by P = NTHREADS / (G D / 4) threads (each
 // split's loads issued together: one round trip at batch 1), then in fixed order.
 constexpr int MERGE_UNROLL = 16;
-// hl (or null): also out's hi + lo planes, hl[o] and hl[plane + o], for o_proj's tensor cores.
-__device__ void merge_group(const KernelArgs& a, const float* part, float* out, __nv_bfloat16* hl, float* smem) {
-  const size_t plane = (size_t)a.bucket * a.q_heads * a.head_dim;
+// bf (or null): also out in bf16, for o_proj's tensor cores.
+__device__ void merge_group(const KernelArgs& a, const float* part, float* out, __nv_bfloat16* bf, float* smem) {
   auto put = [&](int o, float4 r) {
     reinterpret_cast<float4*>(out)[o] = r;
-    if (hl) store_hilo(hl, plane, 4 * o, r);
+    if (bf) store_bf16x4(bf, 4 * o, r);
   };
   const int D = a.head_dim, G = a.q_heads / a.kv_heads, S = a.num_splits, lane = threadIdx.x & 31;
   const int n4 = G * D / 4, P = max(1, NTHREADS / n4);
@@ -234,6 +233,6 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   if (last) {
     const size_t off = ((size_t)b * a.q_heads + g * G) * D;
     merge_group(a, part, reinterpret_cast<float*>(a.attn_out) + off,
-                mma_batch(batch) ? reinterpret_cast<__nv_bfloat16*>(a.attn_hl) + off : nullptr, smem);
+                mma_batch(batch) ? reinterpret_cast<__nv_bfloat16*>(a.attn_bf) + off : nullptr, smem);
   }
 }

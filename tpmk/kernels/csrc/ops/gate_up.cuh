@@ -12,8 +12,7 @@ __device__ __noinline__ void op_gate_up(const KernelArgs& a, const int* ins, con
   linear_tile(a, ins, tile);   // gate rows c0 + i, then up rows I + c0 + i
   const XSrc src = normed_x(a, reinterpret_cast<const wtype*>(a.post_norm) + (size_t)l * H);
   float* act = reinterpret_cast<float*>(a.act);
-  __nv_bfloat16* act_hl = reinterpret_cast<__nv_bfloat16*>(a.act_hl);   // for down's tensor cores
-  const size_t plane = (size_t)a.bucket * I;
+  __nv_bfloat16* act_bf = reinterpret_cast<__nv_bfloat16*>(a.act_bf);   // for down's tensor cores
   const bool mma = mma_batch(batch);
   const int n4 = n / 4;   // tiles are multiples of 4 columns (schedule) and I of 8 (host-checked)
   const int chunk = linear_chunk(batch, 2 * n);
@@ -27,7 +26,7 @@ __device__ __noinline__ void op_gate_up(const KernelArgs& a, const int* ins, con
       const float4 v = make_float4(silu(gt.x) * up.x, silu(gt.y) * up.y, silu(gt.z) * up.z, silu(gt.w) * up.w);
       const size_t off = (size_t)(b0 + b) * I + c0 + c;
       *reinterpret_cast<float4*>(act + off) = v;
-      if (mma) store_hilo(act_hl, plane, off, v);
+      if (mma) store_bf16x4(act_bf, off, v);
     }
     __syncthreads();
   }

@@ -2,7 +2,7 @@
 // x[b, cols] (+)= slot[0] + slot[1] + ... + slot[tp-1], fixed rank order (bit-identical ranks).
 // All-gather form (OWNER bit; runs on the owner only): the result also goes to every peer's x.
 // At batch >= MMA_MIN_BATCH it also prepares the next RMSNorm's tensor-core input: x times
-// that norm's weight as hi + lo planes (xn) and the tile's sum of x^2 per row (xn_ssq).
+// that norm's weight in bf16 (xn) and the tile's sum of x^2 per row (xn_ssq).
 #pragma once
 #include "mk_common.cuh"
 
@@ -64,7 +64,7 @@ __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, co
         const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
         const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
         const float4 xw = make_float4(acc.x * w01.x, acc.y * w01.y, acc.z * w23.x, acc.w * w23.y);
-        for (int p = p0; p < p1; p++) store_hilo(reinterpret_cast<__nv_bfloat16*>(a.peer_xn[p]), plane, off, xw);
+        for (int p = p0; p < p1; p++) store_bf16x4(reinterpret_cast<__nv_bfloat16*>(a.peer_xn[p]), off, xw);
       }
       for (int o = sw / 2; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);   // fixed order
       if (cl == 0 && b < batch)
