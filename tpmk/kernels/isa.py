@@ -31,6 +31,19 @@ TOPK = 8                  # LM-head candidates per tile and per row (sampling wi
 MMA_MIN_BATCH = 5         # bf16 steps of at least this many rows run their matvecs on tensor cores
                           # (bf16 inputs); smaller ones on CUDA cores (f32 inputs): faster at batch 1
 
+# ---- kernel geometry: the CUDA side reads these (isa_generated.cuh), the host sizes shared
+# memory and checks shapes with them. Change them here only.
+NTHREADS = 512            # threads per CTA (one persistent CTA per SM)
+NWARPS = NTHREADS // 32
+BATCH_CHUNK = 4           # batch rows per CUDA-core matvec pass (inputs in shared memory)
+ATTN_CHUNK = 128          # attention: most tokens per pass (the scores' row stride)
+ATTN_HG = 4               # attention: query heads per V accumulation group (8 registers each)
+MMA_PASS = 64             # tensor-core matvec: batch rows per pass (n-tiles of 8)
+MMA_KC1 = 4096            # tensor-core K chunk with one n-tile; with NT n-tiles it is MMA_KC1 / NT
+# mk_mma.cuh's shared memory in f32 words: [MMA_PASS] sums of squares, two chunk buffers of
+# MMA_PASS rows x (KC + 32) bf16 (KC = MMA_KC1 / (MMA_PASS / 8)), staged outputs [MMA_PASS][128].
+MMA_SMEM_WORDS = MMA_PASS + 2 * MMA_PASS * (MMA_KC1 * 8 // MMA_PASS + 32) // 2 + MMA_PASS * 128
+
 
 class Opcode(enum.IntEnum):
     NOP = 0
@@ -197,6 +210,13 @@ def generate_header() -> str:
         f"constexpr float NEG_INF = {NEG_INF:.1e}f;",
         f"constexpr int TOPK = {TOPK};",
         f"constexpr int MMA_MIN_BATCH = {MMA_MIN_BATCH};",
+        f"constexpr int NTHREADS = {NTHREADS};",
+        f"constexpr int BATCH_CHUNK = {BATCH_CHUNK};",
+        f"constexpr int ATTN_CHUNK = {ATTN_CHUNK};",
+        f"constexpr int ATTN_HG = {ATTN_HG};",
+        f"constexpr int MMA_PASS = {MMA_PASS};",
+        f"constexpr int MMA_KC1 = {MMA_KC1};",
+        f"constexpr int MMA_SMEM_WORDS = {MMA_SMEM_WORDS};",
         f"constexpr int HDR_TOKENS = {int(HeaderField.TOKENS)};",
     ]
     for cls, prefix in ((Opcode, "OP_"), (Field, "F_"), (SignalBits, "SIG_"), (ErrorField, "E_"),

@@ -16,13 +16,12 @@ import torch
 
 from tpmk.config import ModelConfig
 from tpmk.kernels import isa
+from tpmk.kernels.isa import ATTN_CHUNK, ATTN_HG, BATCH_CHUNK, MMA_SMEM_WORDS, NTHREADS, NWARPS
 from tpmk.rope import rope_inv_freq
 from tpmk.kernels.schedule import Schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
 
 CSRC = Path(__file__).parent / "csrc"
-NTHREADS, NWARPS, BATCH_CHUNK = 512, 16, 4   # must match mk_common.cuh
-ATTN_CHUNK, ATTN_HG = 128, 4                   # must match attention.cuh
 HEAD_DIMS = (8, 16, 32, 64, 128, 256)          # attention.cuh: D / 8 lanes per token row tile a warp
 SMEM_LIMIT = 227 * 1024 - 1024
 PEER_ONLY = ("attn_slots", "mlp_slots", "cand", "xn", "xn_ssq")   # KernelArgs has only their peer_ tables
@@ -46,10 +45,6 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
         opts.append("-DMK_FLOAT32")
     opts += [f"-D{d}" for d in defines]
     return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
-
-
-# mk_mma.cuh: MMA_PASS + 2 * MMA_XWORDS + MMA_OUT_WORDS f32 words (bf16 tensor-core matvec)
-MMA_SMEM_WORDS = 64 + 2 * 4 * (4096 + 8 * 32) + 64 * 128
 
 
 def out_words(sched: Schedule) -> int:

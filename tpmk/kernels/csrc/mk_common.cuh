@@ -10,10 +10,11 @@ typedef __nv_bfloat16 wtype;            // model dtype: weights and KV cache
 typedef float wtype;
 #endif
 
-constexpr int NTHREADS = 512;
+// Geometry from isa.py (the host sizes shared memory with the same values).
+constexpr int NTHREADS = isa::NTHREADS;
 constexpr int NWARPS = NTHREADS / 32;
 constexpr int VEC = 16 / sizeof(wtype);   // elements per 16-byte load
-constexpr int BATCH_CHUNK = 4;            // batch rows per matvec pass (inputs in smem)
+constexpr int BATCH_CHUNK = isa::BATCH_CHUNK;   // batch rows per matvec pass (inputs in smem)
 
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }

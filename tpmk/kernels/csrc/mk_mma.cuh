@@ -15,13 +15,13 @@
 
 #ifdef MK_HAS_MMA
 
-constexpr int MMA_PASS = 64;                         // batch rows per pass (8 n-tiles)
-constexpr int MMA_KC1 = 4096;                        // K chunk for 1 n-tile; KC = MMA_KC1 / NT
+constexpr int MMA_PASS = isa::MMA_PASS;              // batch rows per pass (8 n-tiles)
+constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC = MMA_KC1 / NT
 constexpr int MMA_PIECES = MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
 constexpr int MMA_XWORDS = 4 * (MMA_KC1 + 8 * 32);   // NT*8 rows x (KC + 32) bf16, in f32 words
 constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrows]
 constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
-constexpr int MMA_SMEM_WORDS = MMA_OUT_AT + MMA_OUT_WORDS;
+static_assert(MMA_OUT_AT + MMA_OUT_WORDS == isa::MMA_SMEM_WORDS, "isa.MMA_SMEM_WORDS (the host's size) drifted");
 
 __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {

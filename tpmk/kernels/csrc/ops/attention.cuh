@@ -16,8 +16,8 @@
 #include "mk_common.cuh"
 #include "mk_sync.cuh"
 
-constexpr int ATTN_CHUNK = 128;   // max tokens per pass (the scores' row stride)
-constexpr int ATTN_HG = 4;        // query heads per V accumulation group (registers: 8 each)
+constexpr int ATTN_CHUNK = isa::ATTN_CHUNK;   // max tokens per pass (the scores' row stride)
+constexpr int ATTN_HG = isa::ATTN_HG;         // query heads per V accumulation group (registers: 8 each)
 constexpr int ATTN_NLD = 4;       // tokens per thread per pass: a pass is min(ATTN_CHUNK, 4 TPB) tokens
 
 // 8 consecutive cache elements (16 bytes in bf16, 32 in f32), loaded through L2.
