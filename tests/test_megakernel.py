@@ -259,6 +259,36 @@ def test_loopback_refuses_reduce_scatter_schedule():
         Megakernel(cfg, sched, shards[:1], kc[:1], vc[:1], loopback=True)
 
 
+@pytest.mark.parametrize("change,splits,message", [
+    (dict(head_dim=96), 0, "head_dim=96 is not supported"),
+    (dict(intermediate_size=392), 0, "intermediate/tp=196 must be a multiple of 8"),
+    ({}, 33, "num_splits=33 > 32"),
+])
+def test_unsupported_shapes_are_refused_before_the_device(change, splits, message):
+    """A model or schedule the kernel cannot run is refused with its value named before any
+    device work: here the caches are on the CPU, and the shape error still comes first."""
+    pytest.importorskip("cuda.bindings")
+    from tpmk.kernels.megakernel import Megakernel
+    cfg = ModelConfig.from_name("tiny").replace(**change)
+    sched = build_schedule(cfg, 2, 4, 4, num_splits=splits)
+    _, shards = shards_for(cfg, 2)
+    kc, vc = empty_caches(cfg, 2, 4, 16)
+    with pytest.raises(ValueError, match=message):
+        Megakernel(cfg, sched, shards, kc, vc)
+
+
+def test_llama_70b_rank_fits_the_h200_shared_memory():
+    """The benchmark's shape (one Llama-3-70B tp=8 rank, bucket 128, 132 SMs) passes the
+    checks; its shared memory is what the tensor-core matvec needs (isa.MMA_SMEM_WORDS) plus
+    the CUDA-core matvec's reduction scratch, under the 227 KiB an H200 CTA can opt into."""
+    from tpmk.kernels import isa
+    from tpmk.kernels.megakernel import SMEM_LIMIT, check_shapes
+    cfg = ModelConfig.from_name("llama-3-70b")
+    kmax, smem = check_shapes(cfg, build_schedule(cfg, 8, 128, 132), torch.bfloat16)
+    assert kmax == cfg.hidden_size == 8192
+    assert smem == 4 * (isa.NWARPS * isa.BATCH_CHUNK + isa.MMA_SMEM_WORDS) <= SMEM_LIMIT
+
+
 def test_profile_trace_events_without_gpu():
     """Host-side formatting of --profile timestamps into Chrome-trace events."""
     from tpmk.kernels.megakernel import Megakernel

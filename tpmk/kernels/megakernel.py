@@ -69,6 +69,29 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
     return 4 * (NWARPS * BATCH_CHUNK + words)
 
 
+def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple[int, int]:
+    """Refuses what the kernel cannot run, naming the value; needs no GPU (Megakernel calls it
+    before touching the device). Returns (kmax, dynamic shared-memory bytes)."""
+    isa.check_vocab(cfg.vocab_size)
+    hq, hkv = local_heads(cfg, sched.tp)
+    D, H, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size // sched.tp
+    for name, k in (("hidden_size", H), ("q_heads*head_dim", hq * D), ("intermediate/tp", inter)):
+        if k % 8:
+            raise ValueError(f"{name}={k} must be a multiple of 8 for 16-byte loads")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim={D} is not supported by the megakernel's attention; "
+                         f"supported: {HEAD_DIMS} (every Llama model uses 64 or 128)")
+    if sched.num_splits > 32:
+        raise ValueError(f"num_splits={sched.num_splits} > 32 (the split merge uses one lane "
+                         f"per split)")
+    kmax = max(H, hq * D, inter)
+    smem = smem_bytes(cfg, sched, kmax, mma=dtype == torch.bfloat16)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"megakernel needs {smem} B of shared memory (kmax={kmax}), "
+                         f"over {SMEM_LIMIT}; lower BATCH_CHUNK or tile sizes")
+    return kmax, smem
+
+
 class Megakernel:
     def __init__(self, cfg: ModelConfig, sched: Schedule, shards: list[RankWeights],
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
@@ -97,6 +120,8 @@ class Megakernel:
         if loopback and sched.reduce != "oneshot":
             raise ValueError(f"loopback runs one rank alone, but reduce={sched.reduce!r} needs the "
                              f"other ranks' owner tiles; build the schedule with reduce='oneshot'")
+        dtype = shards[0].qkv.dtype
+        kmax, self.smem = check_shapes(cfg, sched, dtype)
         dev = k_caches[0].device
         if dev.type != "cuda":
             raise ValueError(f"the megakernel needs CUDA tensors, got caches on {dev}")
@@ -107,25 +132,9 @@ class Megakernel:
         if n_local * sched.num_sms > props.multi_processor_count:
             raise ValueError(f"{n_local} ranks x {sched.num_sms} SMs per rank > "
                              f"{props.multi_processor_count} SMs on {props.name}")
-        isa.check_vocab(cfg.vocab_size)
-        dtype = shards[0].qkv.dtype
         hq, hkv = local_heads(cfg, sched.tp)
         D, H, B = cfg.head_dim, cfg.hidden_size, sched.bucket
         inter, vp = cfg.intermediate_size // sched.tp, padded_vocab(cfg, sched.tp) // sched.tp
-        kmax = max(H, hq * D, inter)
-        for name, k in (("hidden_size", H), ("q_heads*head_dim", hq * D), ("intermediate/tp", inter)):
-            if k % 8:
-                raise ValueError(f"{name}={k} must be a multiple of 8 for 16-byte loads")
-        if D not in HEAD_DIMS:
-            raise ValueError(f"head_dim={D} is not supported by the megakernel's attention; "
-                             f"supported: {HEAD_DIMS} (every Llama model uses 64 or 128)")
-        if sched.num_splits > 32:
-            raise ValueError(f"num_splits={sched.num_splits} > 32 (the split merge uses one lane "
-                             f"per split)")
-        self.smem = smem_bytes(cfg, sched, kmax, mma=dtype == torch.bfloat16)
-        if self.smem > SMEM_LIMIT:
-            raise ValueError(f"megakernel needs {self.smem} B of shared memory (kmax={kmax}), "
-                             f"over {SMEM_LIMIT}; lower BATCH_CHUNK or tile sizes")
         f32 = dict(device=dev, dtype=torch.float32)
         words, starts = sched.encode()
         self.instructions, self.queue_start = words.to(dev), starts.to(dev)
