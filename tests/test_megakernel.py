@@ -120,10 +120,12 @@ def test_llama_1b_shapes(tp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,tp,bucket,batch", [("tiny-gqa", 2, 72, 70), ("llama-3.2-1b", 1, 24, 21)])
+@pytest.mark.parametrize("name,tp,bucket,batch", [("tiny-gqa", 2, 72, 70), ("tiny-gqa", 2, 136, 133),
+                                                   ("llama-3.2-1b", 1, 24, 21)])
 def test_batched_tensor_core_matvec(name, tp, bucket, batch):
-    """batch >= 5 runs the tensor-core matvec (mk_mma.cuh): several batch passes, every
-    n-tile count, several K chunks (1b: K = 2048 and 8192), batch shrinking below 5 at the end."""
+    """batch >= 5 runs the tensor-core matvec (mk_mma.cuh): several batch passes (133 rows:
+    a full MMA_PASS of 16 n-tiles, then 5 rows), every n-tile count, several K chunks (1b:
+    K = 2048 and 8192), batch shrinking below 5 at the end."""
     if name == "tiny-gqa":
         cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
         _, shards = shards_for(cfg, tp, seed=7, dtype=torch.bfloat16)

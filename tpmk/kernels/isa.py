@@ -38,7 +38,8 @@ NWARPS = NTHREADS // 32
 BATCH_CHUNK = 4           # batch rows per CUDA-core matvec pass (inputs in shared memory)
 ATTN_CHUNK = 128          # attention: most tokens per pass (the scores' row stride)
 ATTN_HG = 4               # attention: query heads per V accumulation group (8 registers each)
-MMA_PASS = 64             # tensor-core matvec: batch rows per pass (n-tiles of 8)
+MMA_PASS = 128            # tensor-core matvec: batch rows per pass (n-tiles of 8): batch 128 streams
+                          # each weight tile once
 MMA_KC1 = 4096            # tensor-core K chunk with one n-tile; with NT n-tiles it is MMA_KC1 / NT
 # mk_mma.cuh's shared memory in f32 words: [MMA_PASS] sums of squares, two chunk buffers of
 # MMA_PASS rows x (KC + 32) bf16 (KC = MMA_KC1 / (MMA_PASS / 8)), staged outputs [MMA_PASS][128].

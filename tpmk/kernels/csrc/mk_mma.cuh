@@ -15,10 +15,11 @@
 
 #ifdef MK_HAS_MMA
 
-constexpr int MMA_PASS = isa::MMA_PASS;              // batch rows per pass (8 n-tiles)
+constexpr int MMA_PASS = isa::MMA_PASS;              // batch rows per pass (MMA_PASS / 8 n-tiles)
 constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC = MMA_KC1 / NT
 constexpr int MMA_PIECES = MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
-constexpr int MMA_XWORDS = 4 * (MMA_KC1 + 8 * 32);   // NT*8 rows x (KC + 32) bf16, in f32 words
+// One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
+constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
 constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrows]
 constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
 static_assert(MMA_OUT_AT + MMA_OUT_WORDS == isa::MMA_SMEM_WORDS, "isa.MMA_SMEM_WORDS (the host's size) drifted");
@@ -66,6 +67,7 @@ template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
   constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? 2 : 4;
+  static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
   __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]
   float* part = sm + MMA_PASS;             // [NWARPS][NT][4][32], reuses the buffers after the K loop
@@ -166,11 +168,13 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
   }
 }
 
+static_assert(MMA_PASS % 8 == 0 && MMA_PASS <= 128, "matvec_mma dispatches up to 16 n-tiles");
 __device__ void matvec_mma(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                            const RowMap& row, float* outs, float* sm) {
   if (nb <= 8) matvec_mma_nt<1>(a, K, b0, nb, nrows, src, row, outs, sm);
   else if (nb <= 16) matvec_mma_nt<2>(a, K, b0, nb, nrows, src, row, outs, sm);
   else if (nb <= 32) matvec_mma_nt<4>(a, K, b0, nb, nrows, src, row, outs, sm);
-  else matvec_mma_nt<8>(a, K, b0, nb, nrows, src, row, outs, sm);
+  else if (nb <= 64) matvec_mma_nt<8>(a, K, b0, nb, nrows, src, row, outs, sm);
+  else matvec_mma_nt<16>(a, K, b0, nb, nrows, src, row, outs, sm);
 }
 #endif  // MK_HAS_MMA
