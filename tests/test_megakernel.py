@@ -96,6 +96,51 @@ def test_attention_split_extremes(splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,heads,kv_heads,tp,splits,batch", [
+    (128, 64, 8, 8, 1, 3),    # Llama-3-70B's per-rank group (G = 8, D = 128), up to 6 chunks
+    (128, 64, 8, 8, 3, 6),    # 3 splits, tensor-core batch
+    (64, 16, 4, 1, 0, 2),     # G = 4, D = 64, splits chosen by the scheduler
+    (64, 32, 8, 2, 2, 5),
+])
+def test_attention_long_context(head_dim, heads, kv_heads, tp, splits, batch):
+    """Contexts of 300-727 tokens over random K/V caches on shuffled pages: several
+    shared-memory chunks per split (the double-buffered cp.async path, the online softmax
+    across chunks, last chunks of every length). The attention output and the logits are
+    compared with the interpreter's, which reads the same caches."""
+    cfg = ModelConfig.from_name("tiny-gqa").replace(
+        dtype="bfloat16", hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    shards = random_shards(cfg, tp, seed=head_dim + tp)
+    ctxs = [300, 727, 512, 385, 129, 640][:batch]
+    per_seq = (max(ctxs) + PAGE - 1) // PAGE
+    n_pages = batch * per_seq
+    g = torch.Generator().manual_seed(11)
+    kc, vc = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
+    for t in kc + vc:
+        t.copy_(torch.randn(t.shape, generator=g))
+    order = torch.randperm(n_pages, generator=g).tolist()   # non-contiguous page tables
+    pages = [order[b * per_seq:(b + 1) * per_seq] for b in range(batch)]
+    sms = min(16, torch.cuda.get_device_properties(0).multi_processor_count // tp)
+    sched = build_schedule(cfg, tp, batch, sms, num_splits=splits)
+    vm = VM(cfg, sched, shards, kc, vc)
+    from tpmk.kernels.megakernel import Megakernel
+    mk = Megakernel(cfg, sched, [s.to("cuda") for s in shards], [k.cuda() for k in kc],
+                    [v.cuda() for v in vc], timeout_s=2.0, max_pages_per_seq=per_seq)
+    tokens, positions = [3 + 5 * b for b in range(batch)], [c - 1 for c in ctxs]
+    vm.step(tokens, positions, pages)
+    mk.step(tokens, positions, pages)
+    for r in range(tp):
+        want, got = vm.ranks[r].attn_out[:batch], mk.bufs[r]["attn_out"][:batch].cpu()
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < _tol(batch), f"rank {r}: attention output rel err {err:.2e}"
+    wl, gl = vm.logits(), mk.logits().cpu()
+    err = float((gl - wl).abs().max() / wl.abs().max())
+    print(f"D={head_dim} G={heads // kv_heads} tp{tp} splits {sched.num_splits} batch {batch}: "
+          f"logits rel err {err:.2e}")
+    assert err < _tol(batch)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,tp,bucket", [("tiny-gqa", 2, 4), ("tiny", 8, 4), ("tiny-gqa", 4, 72)])
 def test_reduce_scatter_all_gather(name, tp, bucket):
     """reduce="rsag": o_proj/down partials to the tile's owner only, the owner's residual

@@ -36,8 +36,8 @@ MMA_MIN_BATCH = 5         # bf16 steps of at least this many rows run their matv
 NTHREADS = 512            # threads per CTA (one persistent CTA per SM)
 NWARPS = NTHREADS // 32
 BATCH_CHUNK = 4           # batch rows per CUDA-core matvec pass (inputs in shared memory)
-ATTN_CHUNK = 128          # attention: most tokens per pass (the scores' row stride)
-ATTN_HG = 4               # attention: query heads per V accumulation group (8 registers each)
+ATTN_CHUNK = 128          # attention: most tokens per chunk (the scores' row stride)
+ATTN_KV_BYTES = 32768     # attention: most bytes of one K (or V) chunk in shared memory
 MMA_PASS = 128            # tensor-core matvec: batch rows per pass (n-tiles of 8): batch 128 streams
                           # each weight tile once
 MMA_KC1 = 4096            # tensor-core K chunk with one n-tile; with NT n-tiles it is MMA_KC1 / NT
@@ -128,6 +128,12 @@ def check_vocab(vocab_size: int) -> None:
                          f"top-TOPK must be real tokens and candidate ids are exact f32")
 
 
+def attn_chunk(head_dim: int, elem_bytes: int) -> int:
+    """Tokens per attention chunk (KernelArgs.attn_chunk): ATTN_CHUNK, fewer where a K chunk
+    would pass ATTN_KV_BYTES (head_dim 256 in bf16, 128 and 256 in f32); a power of two."""
+    return min(ATTN_CHUNK, ATTN_KV_BYTES // (head_dim * elem_bytes))
+
+
 def header_offsets(bucket: int) -> tuple[int, int, int]:
     """(tokens, positions, page table) word offsets in the step header."""
     t = int(HeaderField.TOKENS)
@@ -179,8 +185,8 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("kmax", I32, 1),             # shared memory: BATCH_CHUNK * kmax f32 inputs, then outputs
     ("stop_after", I32, 1),       # debug: skip instructions whose stage (ARG4) > this; -1 off
     ("eps", F32, 1), ("attn_scale", F32, 1),
-    ("unused", I32, 1),           # an even count of 4-byte members: no tail padding
-]
+    ("attn_chunk", I32, 1),       # attention tokens per chunk: attn_chunk(head_dim, dtype size)
+]   # an even count of 4-byte members: no tail padding
 
 _CTYPE = {PTR: ctypes.c_uint64, I32: ctypes.c_int32, F32: ctypes.c_float, I64: ctypes.c_int64}
 _CDECL = {PTR: "unsigned long long", I32: "int", F32: "float", I64: "long long"}
@@ -214,7 +220,6 @@ def generate_header() -> str:
         f"constexpr int NTHREADS = {NTHREADS};",
         f"constexpr int BATCH_CHUNK = {BATCH_CHUNK};",
         f"constexpr int ATTN_CHUNK = {ATTN_CHUNK};",
-        f"constexpr int ATTN_HG = {ATTN_HG};",
         f"constexpr int MMA_PASS = {MMA_PASS};",
         f"constexpr int MMA_KC1 = {MMA_KC1};",
         f"constexpr int MMA_SMEM_WORDS = {MMA_SMEM_WORDS};",

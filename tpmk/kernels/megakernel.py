@@ -16,7 +16,7 @@ import torch
 
 from tpmk.config import ModelConfig
 from tpmk.kernels import isa
-from tpmk.kernels.isa import ATTN_CHUNK, ATTN_HG, BATCH_CHUNK, MMA_SMEM_WORDS, NTHREADS, NWARPS
+from tpmk.kernels.isa import ATTN_CHUNK, BATCH_CHUNK, MMA_SMEM_WORDS, NTHREADS, NWARPS
 from tpmk.rope import rope_inv_freq
 from tpmk.kernels.schedule import Schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
@@ -53,18 +53,22 @@ def out_words(sched: Schedule) -> int:
                for i in sched.instructions if i.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
 
 
-def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, mma: bool) -> int:
+def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype) -> int:
     """The least dynamic shared memory the ops need; the kernel is launched with it."""
     hq, hkv = local_heads(cfg, sched.tp)
     G, D = hq // hkv, cfg.head_dim
-    # attention.cuh: q, acc, scores, m/l/alpha (padded to 4), per-warp V partials; then the
-    # last split's merge: split weights [G, S] (padded to 4), per-thread float4 sums
-    attn = 2 * G * D + G * ATTN_CHUNK + ((3 * G + 3) & ~3) + NWARPS * ATTN_HG * D
+    # attention.cuh: q, scores, m/l/alpha (padded to 4), then the K/V chunk buffers (2 stages
+    # x K, V x attn_chunk rows of D elements + 16 bytes), which the token phases' partial
+    # sums [NTHREADS // (G D / 8), G D] reuse; then the last split's merge: split weights
+    # [G, S] (padded to 4), per-thread float4 sums
+    row_bytes = D * dtype.itemsize + 16
+    kv = max(isa.attn_chunk(D, dtype.itemsize) * row_bytes, NTHREADS // (G * D // 8) * G * D)
+    attn = G * D + G * ATTN_CHUNK + ((3 * G + 3) & ~3) + kv
     merge = ((G * sched.num_splits + 3) & ~3) + 4 * max(NTHREADS, G * D // 4)
     linear = BATCH_CHUNK * (kmax + out_words(sched))   # inputs, then outputs
     topk = 2 * NWARPS * isa.TOPK                   # argmax.cuh: per-warp (value, id) lists
     words = max(linear, attn, merge - NWARPS * BATCH_CHUNK, topk)
-    if mma:
+    if dtype == torch.bfloat16:   # the tensor-core matvec
         words = max(words, MMA_SMEM_WORDS)
     return 4 * (NWARPS * BATCH_CHUNK + words)
 
@@ -81,11 +85,15 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim={D} is not supported by the megakernel's attention; "
                          f"supported: {HEAD_DIMS} (every Llama model uses 64 or 128)")
+    if hq // hkv * D > 8 * NTHREADS:
+        raise ValueError(f"{hq // hkv} query heads per kv head x head_dim={D} > {8 * NTHREADS}: "
+                         f"attention keeps one 8-wide output octet per thread (NTHREADS="
+                         f"{NTHREADS}); use a larger tp or a model with fewer heads per kv head")
     if sched.num_splits > 32:
         raise ValueError(f"num_splits={sched.num_splits} > 32 (the split merge uses one lane "
                          f"per split)")
     kmax = max(H, hq * D, inter)
-    smem = smem_bytes(cfg, sched, kmax, mma=dtype == torch.bfloat16)
+    smem = smem_bytes(cfg, sched, kmax, dtype)
     if smem > SMEM_LIMIT:
         raise ValueError(f"megakernel needs {smem} B of shared memory (kmax={kmax}), "
                          f"over {SMEM_LIMIT}; lower BATCH_CHUNK or tile sizes")
@@ -203,6 +211,7 @@ class Megakernel:
             a.num_splits, a.n_lm_tiles, a.n_h_tiles = sched.num_splits, sched.n_lm_tiles, sched.n_h_tiles
             a.num_instructions, a.kmax, a.stop_after = len(sched.instructions), kmax, -1
             a.eps, a.attn_scale = cfg.rms_norm_eps, D ** -0.5
+            a.attn_chunk = isa.attn_chunk(D, dtype.itemsize)
         self._upload_args()
         cubin = compile_megakernel(dtype, defines=defines)
         self.module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")

@@ -13,7 +13,6 @@ constexpr int MMA_MIN_BATCH = 5;
 constexpr int NTHREADS = 512;
 constexpr int BATCH_CHUNK = 4;
 constexpr int ATTN_CHUNK = 128;
-constexpr int ATTN_HG = 4;
 constexpr int MMA_PASS = 128;
 constexpr int MMA_KC1 = 4096;
 constexpr int MMA_SMEM_WORDS = 53376;
@@ -123,6 +122,6 @@ struct KernelArgs {
   int stop_after;
   float eps;
   float attn_scale;
-  int unused;
+  int attn_chunk;
 };
 static_assert(sizeof(KernelArgs) == 784, "KernelArgs drifted from isa.py");

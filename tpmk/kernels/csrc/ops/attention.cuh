@@ -1,36 +1,36 @@
 // attention: must match tpmk/kernels/ops/attention.py (Attention). One (sequence ARG0,
-// kv head ROW0, split ARG1): online softmax over the split's tokens in chunks, for the
-// G = Hq / Hkv query heads of the group; writes attn_part[b, h, split] = (acc[D], m, l).
-// Then it takes a ticket (counter ARG2, one increment per split and step): the split that
-// draws a multiple of S finished last and merges the group's S partials into
-// attn_out[b, heads of g] (merge_group), once per group rather than in every o_proj tile.
+// kv head ROW0, split ARG1): online softmax over the split's tokens in chunks of CH =
+// a.attn_chunk tokens, for the G = Hq / Hkv query heads of the group; writes
+// attn_part[b, h, split] = (acc[D], m, l). Then it takes a ticket (counter ARG2, one increment
+// per split and step): the split that draws a multiple of S finished last and merges the
+// group's S partials into attn_out[b, heads of g] (merge_group), once per group rather than
+// in every o_proj tile.
 //
-// Decode attention is latency-bound, so each chunk costs one round trip to memory:
-// thread (token slot tq, dim octet li) computes its tokens' cache offsets from the page
-// table, then issues the 16-byte K AND V loads of all its tokens at once. Scores: dot
-// over the octet, summed across the D/8 lanes of the token. V: per-thread partials for a
-// group of up to ATTN_HG heads, summed over the tokens of a warp by shuffles and over
-// warps in fixed order through shared memory (deterministic).
-// Head dims: D = 8 * 2^j <= 256 (checked on the host), so D/8 lanes tile a warp.
+// A chunk's K and V rows go to shared memory by cp.async (16 bytes each, through L2, no
+// registers: a load held in a spilled register made every token wait for its own round
+// trip), double-buffered: chunk c + 1 is in flight while chunk c is computed. Rows are padded
+// by 16 bytes, so 16-byte reads of 8 consecutive rows hit distinct banks.
+// Scores: thread (token t, head phase hp) computes q_h . K_t over the whole row for heads
+// h = hp, hp + P, ... (P = NTHREADS / CH): no shuffles.
+// P.V: thread (token phase qt, head h, dim octet) accumulates its octet over tokens qt,
+// qt + Q, ... in registers across chunks (rescaled by each chunk's alpha); the Q partials are
+// summed once at the end, in fixed order (deterministic).
+// Head dims: D = 8 * 2^j <= 256, G * D / 8 <= NTHREADS (host-checked).
 #pragma once
 #include "mk_common.cuh"
 #include "mk_sync.cuh"
 
-constexpr int ATTN_CHUNK = isa::ATTN_CHUNK;   // max tokens per pass (the scores' row stride)
-constexpr int ATTN_HG = isa::ATTN_HG;         // query heads per V accumulation group (registers: 8 each)
-constexpr int ATTN_NLD = 4;       // tokens per thread per pass: a pass is min(ATTN_CHUNK, 4 TPB) tokens
+constexpr int ATTN_CHUNK = isa::ATTN_CHUNK;   // most tokens per chunk (the scores' row stride)
 
-// 8 consecutive cache elements (16 bytes in bf16, 32 in f32), loaded through L2.
-struct Oct { uint4 u[sizeof(wtype) / 2]; };
-__device__ __forceinline__ Oct ld_oct(const wtype* p) {
-  Oct o;
+// 8 consecutive cache elements (16 bytes in bf16, 32 in f32) from shared memory -> f.
+__device__ __forceinline__ void lds_oct(const char* p, float* f) {
 #pragma unroll
-  for (int i = 0; i < (int)(sizeof(wtype) / 2); i++) o.u[i] = __ldcg(reinterpret_cast<const uint4*>(p) + i);
-  return o;
+  for (int i = 0; i < (int)(sizeof(wtype) / 2); i++) unpack(reinterpret_cast<const uint4*>(p)[i], f + i * VEC);
 }
-__device__ __forceinline__ void unpack_oct(const Oct& o, float* f) {
-#pragma unroll
-  for (int i = 0; i < (int)(sizeof(wtype) / 2); i++) unpack(o.u[i], f + i * VEC);
+
+__device__ __forceinline__ void cp_async16(char* dst, const void* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
 
 // attn_out[b, (g G + h) D + d] = sum_s coef[h, s] acc_s[d] with coef[h, s] = e^(m_s - M) / sum_s'
@@ -87,65 +87,73 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   if (b >= batch) return;
   const int l = ins[isa::F_LAYER], g = ins[isa::F_ROW0], split = ins[isa::F_ARG1];
   const int D = a.head_dim, G = a.q_heads / a.kv_heads, ps = a.page_size, S = a.num_splits;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int LT = D / 8, TPB = NTHREADS / LT;           // lanes per token row, tokens per block load
-  const int li = threadIdx.x % LT, tq = threadIdx.x / LT, CH = min(ATTN_CHUNK, ATTN_NLD * TPB);
+  const int CH = a.attn_chunk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
   const int* pages = pos + a.bucket + b * a.max_pages;
   const int ctx = pos[b] + 1, per = (ctx + S - 1) / S;
   const int t0 = min(ctx, split * per), t1 = min(ctx, t0 + per);
-  float* qs = smem + NWARPS * BATCH_CHUNK;   // [G, D] scaled queries
-  float* acc = qs + G * D;                   // [G, D]
-  float* sc = acc + G * D;                   // [G, ATTN_CHUNK] scores, then probabilities
+  const int nchunks = (t1 - t0 + CH - 1) / CH;
+  // Shared memory (f32 words after the reduction scratch): scaled queries, scores, softmax
+  // state, then the K/V chunk buffers [2 stages][K, V][CH rows of RB bytes]; after the last
+  // chunk the token phases' partial sums [Q][G * D] reuse the buffers.
+  const int RB = D * (int)sizeof(wtype) + 16;
+  float* qs = smem + NWARPS * BATCH_CHUNK;   // [G, D]
+  float* sc = qs + G * D;                    // [G, ATTN_CHUNK] scores, then probabilities
   float* st = sc + G * ATTN_CHUNK;           // m[G], l[G], alpha[G]
-  float* vpart = st + ((3 * G + 3) & ~3);    // [NWARPS, ATTN_HG, D] per-warp V partials
+  char* kvs = reinterpret_cast<char*>(st + ((3 * G + 3) & ~3));
   const size_t head_stride = (size_t)ps * D, page_stride = (size_t)a.kv_heads * head_stride;
-  const wtype* kbase = reinterpret_cast<const wtype*>(a.k_cache) +
-                       (size_t)l * a.num_pages * page_stride + g * head_stride + 8 * li;
-  const wtype* vbase = reinterpret_cast<const wtype*>(a.v_cache) +
-                       (size_t)l * a.num_pages * page_stride + g * head_stride + 8 * li;
-  Oct kv[ATTN_NLD], vv[ATTN_NLD];
-  auto issue = [&](int c0, int cn) {   // this thread's K and V octets of chunk [c0, c0 + cn)
-#pragma unroll
-    for (int j = 0; j < ATTN_NLD; j++) {
-      const int t = tq + j * TPB;
-      if (t < cn) {
-        const int tok = c0 + t;
-        const size_t off = (size_t)__ldg(pages + tok / ps) * page_stride + (size_t)(tok % ps) * D;
-        kv[j] = ld_oct(kbase + off);
-        vv[j] = ld_oct(vbase + off);
-      }
+  const size_t layer_off = (size_t)l * a.num_pages * page_stride + g * head_stride;
+  const wtype* kbase = reinterpret_cast<const wtype*>(a.k_cache) + layer_off;
+  const wtype* vbase = reinterpret_cast<const wtype*>(a.v_cache) + layer_off;
+  // Copies: thread (row phase, 16-byte column pc) takes rows tr, tr + RSTEP, ... of K and V.
+  const int PR = D * (int)sizeof(wtype) / 16, pc = threadIdx.x % PR, tr = threadIdx.x / PR, RSTEP = NTHREADS / PR;
+  auto issue = [&](int c) {   // chunk c -> stage c % 2, one commit group
+    const int c0 = t0 + c * CH, cn = min(CH, t1 - c0);
+    char* kd = kvs + (size_t)(c % 2) * 2 * CH * RB + pc * 16;
+    char* vd = kd + (size_t)CH * RB;
+    for (int t = tr; t < cn; t += RSTEP) {
+      const int tok = c0 + t;
+      const size_t off = (size_t)__ldg(pages + tok / ps) * page_stride + (size_t)(tok % ps) * D;
+      cp_async16(kd + t * RB, reinterpret_cast<const char*>(kbase + off) + pc * 16);
+      cp_async16(vd + t * RB, reinterpret_cast<const char*>(vbase + off) + pc * 16);
     }
+    asm volatile("cp.async.commit_group;" ::: "memory");
   };
-  if (t0 < t1) issue(t0, min(CH, t1 - t0));
+  if (nchunks > 0) issue(0);
   const float* q = reinterpret_cast<const float*>(a.q) + ((size_t)b * a.q_heads + g * G) * D;
-  for (int i = threadIdx.x; i < G * D; i += NTHREADS) {
-    qs[i] = ld_act(q + i) * a.attn_scale;
-    acc[i] = 0.f;
-  }
+  for (int i = threadIdx.x; i < G * D; i += NTHREADS) qs[i] = ld_act(q + i) * a.attn_scale;
   for (int h = threadIdx.x; h < G; h += NTHREADS) { st[h] = isa::NEG_INF; st[G + h] = 0.f; }
-  __syncthreads();
-  for (int c0 = t0; c0 < t1; c0 += CH) {
-    const int cn = min(CH, t1 - c0);
-    if (c0 != t0) issue(c0, cn);
-    // Scores: sum over the token's LT lanes (xor offsets < LT stay inside the token's lanes).
-    for (int h = 0; h < G; h++) {
-      const float4 q0 = *reinterpret_cast<const float4*>(qs + h * D + 8 * li);
-      const float4 q1 = *reinterpret_cast<const float4*>(qs + h * D + 8 * li + 4);
+  // P.V roles: NO output octets, Q token phases; threads past Q * NO only help with the rest.
+  const int NO = G * D / 8, Q = NTHREADS / NO, o = threadIdx.x % NO, qt = threadIdx.x / NO;
+  const int vh = o / (D / 8), vd0 = o % (D / 8) * 8;
+  float av[8];
 #pragma unroll
-      for (int j = 0; j < ATTN_NLD; j++) {
-        if (j * TPB >= cn) break;   // block-uniform
-        float f[8];
-        unpack_oct(kv[j], f);
-        float s = q0.x * f[0] + q0.y * f[1] + q0.z * f[2] + q0.w * f[3] +
-                  q1.x * f[4] + q1.y * f[5] + q1.z * f[6] + q1.w * f[7];
-        for (int o = 1; o < LT; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        const int t = tq + j * TPB;
-        if (li == 0 && t < cn) sc[h * ATTN_CHUNK + t] = s;
-      }
+  for (int e = 0; e < 8; e++) av[e] = 0.f;
+  for (int c = 0; c < nchunks; c++) {
+    const int c0 = t0 + c * CH, cn = min(CH, t1 - c0);
+    asm volatile("cp.async.wait_all;" ::: "memory");   // this thread's copies of chunk c
+    __syncthreads();   // everyone's copies landed; chunk c - 1's buffers and probabilities are read
+    if (c + 1 < nchunks) issue(c + 1);                   // in flight during this chunk
+    const char* kc = kvs + (size_t)(c % 2) * 2 * CH * RB;
+    const char* vc = kc + (size_t)CH * RB;
+    {   // scores
+      const int t = threadIdx.x % CH, P = NTHREADS / CH;
+      if (t < cn)
+        for (int h = threadIdx.x / CH; h < G; h += P) {
+          const float4* qh = reinterpret_cast<const float4*>(qs + h * D);
+          float s0 = 0.f, s1 = 0.f;
+          for (int d = 0; d < D; d += 8) {
+            float f[8];
+            lds_oct(kc + t * RB + d * sizeof(wtype), f);
+            const float4 qa = qh[d / 4], qb = qh[d / 4 + 1];
+            s0 += qa.x * f[0] + qa.y * f[1] + qa.z * f[2] + qa.w * f[3];
+            s1 += qb.x * f[4] + qb.y * f[5] + qb.z * f[6] + qb.w * f[7];
+          }
+          sc[h * ATTN_CHUNK + t] = s0 + s1;
+        }
     }
     __syncthreads();
-    for (int h = warp; h < G; h += NWARPS) {
+    for (int h = warp; h < G; h += NWARPS) {   // online softmax, a warp per head
       float mx = isa::NEG_INF;
       for (int t = lane; t < cn; t += 32) mx = fmaxf(mx, sc[h * ATTN_CHUNK + t]);
       mx = warp_max(mx);
@@ -166,56 +174,38 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
       }
     }
     __syncthreads();
-    for (int h0 = 0; h0 < G; h0 += ATTN_HG) {
-      const int hn = min(ATTN_HG, G - h0);
-      float av[ATTN_HG][8];
+    if (qt < Q) {   // P.V for this thread's octet and token phase
+      const float alpha = st[2 * G + vh];
 #pragma unroll
-      for (int h = 0; h < ATTN_HG; h++)
-#pragma unroll
-        for (int e = 0; e < 8; e++) av[h][e] = 0.f;
-#pragma unroll
-      for (int j = 0; j < ATTN_NLD; j++) {
-        const int t = tq + j * TPB;
-        if (j * TPB >= cn) break;
-        if (t >= cn) continue;
+      for (int e = 0; e < 8; e++) av[e] *= alpha;
+      for (int t = qt; t < cn; t += Q) {
+        const float p = sc[vh * ATTN_CHUNK + t];
         float f[8];
-        unpack_oct(vv[j], f);
+        lds_oct(vc + t * RB + vd0 * sizeof(wtype), f);
 #pragma unroll
-        for (int h = 0; h < ATTN_HG; h++) {
-          if (h >= hn) break;
-          const float p = sc[(h0 + h) * ATTN_CHUNK + t];
-#pragma unroll
-          for (int e = 0; e < 8; e++) av[h][e] += p * f[e];
-        }
+        for (int e = 0; e < 8; e++) av[e] += p * f[e];
       }
-      // Tokens of one warp: lanes li, li + LT, ... hold the same dims.
-      for (int o = LT; o < 32; o <<= 1)
-#pragma unroll
-        for (int h = 0; h < ATTN_HG; h++)
-#pragma unroll
-          for (int e = 0; e < 8; e++) av[h][e] += __shfl_xor_sync(0xffffffffu, av[h][e], o);
-      if (lane < LT)
-#pragma unroll
-        for (int h = 0; h < ATTN_HG; h++) {
-          if (h >= hn) break;
-          float4* vp = reinterpret_cast<float4*>(vpart + (warp * ATTN_HG + h) * D + 8 * li);
-          vp[0] = make_float4(av[h][0], av[h][1], av[h][2], av[h][3]);
-          vp[1] = make_float4(av[h][4], av[h][5], av[h][6], av[h][7]);
-        }
-      __syncthreads();
-      for (int i = threadIdx.x; i < hn * D; i += NTHREADS) {
-        const int h = i / D, d = i % D;
-        float s = acc[(h0 + h) * D + d] * st[2 * G + h0 + h];
-        for (int w = 0; w < NWARPS; w++) s += vpart[(w * ATTN_HG + h) * D + d];
-        acc[(h0 + h) * D + d] = s;
-      }
-      __syncthreads();
     }
   }
+  __syncthreads();   // the chunk buffers are no longer read: the phases' partials go there
+  float* red = reinterpret_cast<float*>(kvs);   // [Q][G * D]
+  if (qt < Q) {
+    float4* r = reinterpret_cast<float4*>(red + (size_t)qt * G * D + vh * D + vd0);
+    r[0] = make_float4(av[0], av[1], av[2], av[3]);
+    r[1] = make_float4(av[4], av[5], av[6], av[7]);
+  }
+  __syncthreads();
   float* part = reinterpret_cast<float*>(a.attn_part) + ((size_t)b * a.q_heads + g * G) * S * (D + 2);
   for (int i = threadIdx.x; i < G * (D + 2); i += NTHREADS) {
     const int h = i / (D + 2), d = i % (D + 2);
-    part[((size_t)h * S + split) * (D + 2) + d] = d < D ? acc[h * D + d] : st[(d - D) * G + h];
+    float v;
+    if (d < D) {
+      v = 0.f;
+      for (int p = 0; p < Q; p++) v += red[(size_t)p * G * D + h * D + d];
+    } else {
+      v = st[(d - D) * G + h];
+    }
+    part[((size_t)h * S + split) * (D + 2) + d] = v;
   }
   __syncthreads();   // the partial's stores precede thread 0's ticket (release)
   __shared__ int last;
