@@ -222,6 +222,23 @@ def test_queue_mode_reports_a_deadlock():
         vm.step([1], [0], [[0]], order="queue")
 
 
+@pytest.mark.parametrize("order", ["program", "adversarial"])
+def test_a_stall_names_the_first_unmet_wait(order):
+    """One gate_up tile of layer 1 waits for a count its counter never reaches: everything
+    downstream (its down tiles, the residual, layer 2 ...) is stuck too, but the error names
+    that tile: the lowest stage with an unmet wait (Schedule.first_unmet_wait, which the GPU
+    timeout message uses too)."""
+    vm = _vm("tiny-gqa", 2, 2, 4)
+    gate_ups = [i for i in vm.sched.instructions if i.name == "gate_up" and i.layer == 1]
+    bad = gate_ups[len(gate_ups) // 2]
+    bad.waits = [(bad.waits[0][0], 10_000)]
+    stage = vm.sched.stage_of("gate_up", 1)
+    with pytest.raises(RuntimeError, match=rf"first unmet wait: stage {stage} \(gate_up\[layer 1\]\): "
+                                           rf"gate_up\(layer=1, tile={bad.tile},.* on rank 0 SM \d+ waits "
+                                           rf"for counter ready\[stage \d+\] = \d+ < 10000"):
+        vm.step([1, 2], [0, 0], [[0, 1], [2, 3]], order=order)
+
+
 def test_sampled_tokens_match_sampler_on_hf_logits():
     from tpmk.engine.sampling import sample
     cfg = ModelConfig.from_name("tiny-gqa")

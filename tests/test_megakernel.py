@@ -277,7 +277,11 @@ def test_timeout_names_rank_sm_opcode_layer():
     kg, vg = empty_caches(cfg, 2, 16, PAGE, dtype=torch.bfloat16)
     mk = Megakernel(cfg, sched, [s.to("cuda") for s in shards], [k.cuda() for k in kg],
                     [v.cuda() for v in vg], timeout_s=0.2)
-    with pytest.raises(RuntimeError, match=r"timed out waiting: rank \d, SM \d, opcode GATE_UP, layer 1"):
+    # Whichever waiter times out first is named first (a down tile downstream of the stuck
+    # gate_up may); the message then names the stuck tile itself, from the counters.
+    with pytest.raises(RuntimeError, match=rf"timed out waiting: rank \d, SM \d+, opcode [A-Z_]+, layer \d+.*"
+                                           rf"first unmet wait: stage \d+ \(gate_up\[layer 1\]\): "
+                                           rf"gate_up\(layer=1, tile={bad.tile},"):
         mk.step([1], [0], [[0]])
 
 

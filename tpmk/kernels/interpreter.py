@@ -179,7 +179,8 @@ class VM:
                     if self.ready(k[0], queues[k[1]][i])]
             if not live:
                 stuck = [f"rank {r} sm {s}: {queues[s][i]}" for (r, s), i in heads.items()]
-                raise RuntimeError("deadlock: no SM can proceed:\n" + "\n".join(stuck[:8]))
+                raise RuntimeError(f"deadlock: no SM can proceed; first unmet wait: {self._first_unmet()}\n"
+                                   + "\n".join(stuck[:8]))
             picks = [rng.choice(live)] if interleave else live
             for r, s in picks:
                 i = heads[(r, s)]
@@ -223,7 +224,10 @@ class VM:
                             heapq.heappush(heap, (prio[(wr, widx)], wr, widx))
         if done != self.tp * len(instrs):
             raise RuntimeError(f"adversarial run stalled after {done} of "
-                               f"{self.tp * len(instrs)} instructions")
+                               f"{self.tp * len(instrs)} instructions; first unmet wait: {self._first_unmet()}")
+
+    def _first_unmet(self) -> str | None:
+        return self.sched.first_unmet_wait(dict(enumerate(self.counters)), self.epoch)
 
     def logits(self) -> torch.Tensor:
         """[batch, vocab_size] float32, gathered from every rank's vocab slice."""

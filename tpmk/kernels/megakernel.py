@@ -294,6 +294,10 @@ class Megakernel:
         msg = (f"megakernel {what}: rank {err[E.RANK]}, SM {err[E.SM]}, opcode {op}, layer {err[E.LAYER]}, "
                f"tile {err[E.TILE]}, instruction {err[E.INSTR]}, counter {cname} = {err[E.VALUE] & 0xffffffff} "
                f"< expected {err[E.EXPECTED] & 0xffffffff} (epoch {self.epoch})")
+        if err[E.FLAG] == 1:   # the first waiter to time out may be downstream of the stall
+            counters = {a.rank: buf["counters"].view(-1, isa.COUNTER_STRIDE)[:, 0].tolist()
+                        for a, buf in zip(self.args, self.bufs)}
+            msg += f"; first unmet wait: {self.sched.first_unmet_wait(counters, self.epoch)}"
         self.error.zero_()
         for buf in self.bufs:   # counters are inconsistent after an abort: start over
             buf["counters"].zero_()

@@ -61,6 +61,28 @@ class Schedule:
             raise ValueError(f"no stage {key!r}; stages: {self.stage_names}")
         return self.stage_names.index(key)
 
+    def first_unmet_wait(self, counters: dict[int, list[int]], epoch: int) -> str | None:
+        """After a stalled step: the lowest-stage instruction, on the ranks given, with a wait
+        its counter has not reached (counters: {rank: [value per counter id]}, u32), described
+        for an error message; None when every wait is met. Every wait refers to an earlier stage and each
+        SM's queue is in stage order, so once nothing moves, the lowest such stage is where
+        the step stopped: later stages wait downstream of it (a timeout may name any of them)."""
+        unmet = []
+        for rank, values in counters.items():
+            for sm in range(self.num_sms):
+                for ins in self.queue(sm):
+                    if not ins.runs_on(rank, self.tp):
+                        continue
+                    for c, n in ins.waits:
+                        v, want = int(values[c]) & 0xFFFFFFFF, (epoch * n) & 0xFFFFFFFF
+                        if (v - want) & 0xFFFFFFFF >= 1 << 31:   # v < want, wrap-safe as on the GPU
+                            unmet.append((ins.arg4, rank, sm, ins, c, v, want))
+        if not unmet:
+            return None
+        stage, rank, sm, ins, c, v, want = min(unmet, key=lambda u: u[:3])
+        return (f"stage {stage} ({self.stage_names[stage]}): {ins} on rank {rank} SM {sm} waits "
+                f"for counter {self.counter_names[c]} = {v} < {want}")
+
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([n, INSTR_WORDS] int32 instruction words, [num_sms + 1] int32 queue starts)."""
         words = torch.tensor([i.encode() for i in self.instructions], dtype=torch.int32)
