@@ -4,6 +4,8 @@
 #   PYTEST_K: pytest -k filter; PYTEST_TESTS: test names of tests/test_megakernel.py, in run order;
 #   SAN_TOOLS: sanitizer tools ("" = none); BENCH, BENCH2, BENCH3, BENCH4: bench/decode.py arguments ("" = skip).
 #   EXTRA_TESTS: more GPU test files/ids, run after the megakernel tests (e.g. tests/test_launcher.py).
+#   TEST_SHARDS: pytest processes sharing the selected tests round-robin (default 4: the tests'
+#   time is mostly the CPU interpreter, and the device machine has 16 cores).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"
@@ -14,14 +16,21 @@ python3 -c "import torch; from tpmk.kernels.megakernel import compile_megakernel
 echo "== built in $(( $(date +%s) - t0 )) s"
 TESTS=tests/test_megakernel.py
 [ -n "${PYTEST_TESTS:-}" ] && TESTS=$(for t in $PYTEST_TESTS; do printf "tests/test_megakernel.py::%s " $t; done)
-OMP_NUM_THREADS=8 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x -s $TESTS \
-  ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest.log" 2>&1 &
+mapfile -t IDS < <(python3 -m pytest -q --collect-only -m gpu $TESTS ${PYTEST_K:+-k "$PYTEST_K"} 2>/dev/null | grep "::")
+SHARDS=${TEST_SHARDS:-4}
+echo "== ${#IDS[@]} GPU tests in $SHARDS processes"
+for ((s = 0; s < SHARDS; s++)); do
+  ids=(); for ((i = s; i < ${#IDS[@]}; i += SHARDS)); do ids+=("${IDS[$i]}"); done
+  [ ${#ids[@]} -gt 0 ] && OMP_NUM_THREADS=$(( 16 / SHARDS > 1 ? 16 / SHARDS : 1 )) timeout ${TEST_TIMEOUT:-150} \
+    python3 -m pytest -q -s -p no:cacheprovider "${ids[@]}" > "$OUT/pytest$s.log" 2>&1 &
+done
 for tool in ${SAN_TOOLS-memcheck racecheck}; do
   timeout ${TEST_TIMEOUT:-150} compute-sanitizer --tool $tool --report-api-errors no \
     python3 bench/mk_smoke.py 2>&1 | grep -v "Host Frame" | head -20 > "$OUT/san_$tool.log" &
 done
 wait
-echo "== pytest"; grep -E "passed|failed|Error|error|assert|near-tie|rel logit" "$OUT/pytest.log" | tail -30
+cat "$OUT"/pytest[0-9]*.log > "$OUT/pytest.log" 2>/dev/null
+echo "== pytest"; grep -E "passed|failed|Error|error|assert|near-tie|rel (logit|err)|FAILED" "$OUT/pytest.log" | tail -40
 for tool in ${SAN_TOOLS-memcheck racecheck}; do echo "== compute-sanitizer $tool"; cat "$OUT/san_$tool.log"; done
 if [ -n "${EXTRA_TESTS:-}" ]; then
   OMP_NUM_THREADS=8 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x -s -m gpu $EXTRA_TESTS > "$OUT/pytest_extra.log" 2>&1
