@@ -22,7 +22,8 @@ from tpmk.kernels.schedule import Schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
 
 CSRC = Path(__file__).parent / "csrc"
-HEAD_DIMS = (8, 16, 32, 64, 128, 256)          # attention.cuh: D / 8 lanes per token row tile a warp
+HEAD_DIMS = (8, 16, 32, 64, 128, 256)          # attention.cuh: 8-wide output octets; a row is a
+                                               # power-of-two count of 16-byte copies
 SMEM_LIMIT = 227 * 1024 - 1024
 PEER_ONLY = ("attn_slots", "mlp_slots", "cand", "xn", "xn_ssq")   # KernelArgs has only their peer_ tables
 

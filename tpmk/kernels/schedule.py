@@ -64,9 +64,10 @@ class Schedule:
     def first_unmet_wait(self, counters: dict[int, list[int]], epoch: int) -> str | None:
         """After a stalled step: the lowest-stage instruction, on the ranks given, with a wait
         its counter has not reached (counters: {rank: [value per counter id]}, u32), described
-        for an error message; None when every wait is met. Every wait refers to an earlier stage and each
-        SM's queue is in stage order, so once nothing moves, the lowest such stage is where
-        the step stopped: later stages wait downstream of it (a timeout may name any of them)."""
+        for an error message; None when every wait is met. Every wait refers to an earlier
+        stage and each SM's queue is in stage order, so once nothing moves, the lowest such
+        stage is where the step stopped: later stages wait downstream of it (a timeout may
+        name any of them)."""
         unmet = []
         for rank, values in counters.items():
             for sm in range(self.num_sms):
