@@ -96,26 +96,27 @@ def test_attention_split_extremes(splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,heads,kv_heads,tp,splits,batch", [
-    (128, 64, 8, 8, 1, 3),    # Llama-3-70B's per-rank group (G = 8, D = 128), up to 6 chunks
-    (128, 64, 8, 8, 3, 6),    # 3 splits, tensor-core batch
-    (64, 16, 4, 1, 0, 2),     # G = 4, D = 64, splits chosen by the scheduler
-    (64, 32, 8, 2, 2, 5),
+@pytest.mark.parametrize("head_dim,heads,kv_heads,tp,splits,batch,dtype", [
+    (128, 64, 8, 8, 1, 3, "bfloat16"),   # Llama-3-70B's per-rank group (G = 8, D = 128), up to 6 chunks
+    (128, 64, 8, 8, 3, 6, "bfloat16"),   # 3 splits, tensor-core batch
+    (64, 16, 4, 1, 0, 2, "bfloat16"),    # G = 4, D = 64, splits chosen by the scheduler
+    (64, 32, 8, 2, 2, 5, "bfloat16"),
+    (128, 64, 8, 8, 1, 3, "float32"),    # the f32 build: 64-token chunks
 ])
-def test_attention_long_context(head_dim, heads, kv_heads, tp, splits, batch):
+def test_attention_long_context(head_dim, heads, kv_heads, tp, splits, batch, dtype):
     """Contexts of 300-727 tokens over random K/V caches on shuffled pages: several
     shared-memory chunks per split (the double-buffered cp.async path, the online softmax
     across chunks, last chunks of every length). The attention output and the logits are
     compared with the interpreter's, which reads the same caches."""
     cfg = ModelConfig.from_name("tiny-gqa").replace(
-        dtype="bfloat16", hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        dtype=dtype, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
-    shards = random_shards(cfg, tp, seed=head_dim + tp)
+    shards = random_shards(cfg, tp, seed=head_dim + tp, dtype=getattr(torch, dtype))
     ctxs = [300, 727, 512, 385, 129, 640][:batch]
     per_seq = (max(ctxs) + PAGE - 1) // PAGE
     n_pages = batch * per_seq
     g = torch.Generator().manual_seed(11)
-    kc, vc = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
+    kc, vc = empty_caches(cfg, tp, n_pages, PAGE, dtype=getattr(torch, dtype))
     for t in kc + vc:
         t.copy_(torch.randn(t.shape, generator=g))
     order = torch.randperm(n_pages, generator=g).tolist()   # non-contiguous page tables
