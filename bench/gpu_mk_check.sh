@@ -12,7 +12,10 @@ OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"
 export PYTHONPATH=. TPMK_CACHE=/tmp/mkcache NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
-python3 -c "import torch; from tpmk.kernels.megakernel import compile_megakernel as c; c(torch.bfloat16)"
+for dt in bfloat16 float32; do   # both builds the tests load, in parallel (disk cache)
+  python3 -c "import torch; from tpmk.kernels.megakernel import compile_megakernel as c; c(torch.$dt)" &
+done
+wait
 echo "== built in $(( $(date +%s) - t0 )) s"
 TESTS=tests/test_megakernel.py
 [ -n "${PYTEST_TESTS:-}" ] && TESTS=$(for t in $PYTEST_TESTS; do printf "tests/test_megakernel.py::%s " $t; done)
