@@ -1,0 +1,82 @@
+"""The compiled megakernel read statically, without a GPU: nvdisasm's SASS with line info,
+and its register spills (STL / LDL that nvdisasm marks SpillRefill) per source line.
+
+A spilled load stalls its consumer for the load's whole round trip: attention's per-thread
+K/V loads did, until they went through shared memory. tests/test_build.py keeps ops free of
+spills where they must be; this CLI shows where the others have theirs.
+
+  python -m tpmk.kernels.sass                  # bf16 build: spills per file, then the top lines
+  python -m tpmk.kernels.sass --f32 --top 40
+nvdisasm comes from the nvidia-cuda-nvdisasm wheel (the `cuda` extra) or a CUDA toolkit.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+LINE_INFO = re.compile(r'//## File "([^"]+)", line (\d+)')
+
+
+def nvdisasm_path() -> str:
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+        found = find_nvidia_binary_utility("nvdisasm")
+    except ImportError:
+        found = None
+    found = found or shutil.which("nvdisasm") or (
+        "/usr/local/cuda/bin/nvdisasm" if Path("/usr/local/cuda/bin/nvdisasm").exists() else None)
+    if not found:
+        raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm "
+                                "(or put a CUDA toolkit's bin/ on PATH)")
+    return found
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS of every function, each instruction after a `//## File "...", line N` comment."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm_path(), "-g", "-c", f.name], check=True,
+                              capture_output=True, text=True).stdout
+
+
+def spills_by_line(sass: str) -> Counter:
+    """(source file name, line) -> spill stores and reloads attributed to it."""
+    where, out = None, Counter()
+    for line in sass.splitlines():
+        m = LINE_INFO.search(line)
+        if m:
+            where = (Path(m.group(1)).name, int(m.group(2)))
+        elif "SpillRefill" in line and re.search(r"\b(STL|LDL)\b", line):
+            out[where] += 1
+    return out
+
+
+def main() -> None:
+    import torch
+    from tpmk.kernels.megakernel import compile_megakernel
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--f32", action="store_true", help="the float32 build (MK_FLOAT32)")
+    ap.add_argument("--define", nargs="*", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--top", type=int, default=20, help="source lines to list")
+    args = ap.parse_args()
+    cubin = compile_megakernel(torch.float32 if args.f32 else torch.bfloat16, defines=tuple(args.define))
+    spills = spills_by_line(disassemble(cubin))
+    per_file = Counter()
+    for (name, _), n in spills.items():
+        per_file[name] += n
+    print(f"{sum(spills.values())} spill stores + reloads")
+    for name, n in per_file.most_common():
+        print(f"  {n:5d}  {name}")
+    print(f"top {args.top} lines:")
+    for (name, line), n in spills.most_common(args.top):
+        print(f"  {n:5d}  {name}:{line}")
+
+
+if __name__ == "__main__":
+    main()
