@@ -1,9 +1,11 @@
-"""tpmk.kernels.sass: the compiled kernel read on the CPU. Attention stays free of register
-spills (its per-thread K/V loads once spilled, and every token then waited for its own
-round trip), in the bf16 and the f32 build."""
+"""tpmk.kernels.sass: the compiled kernel read on the CPU. The hot loops stay free of
+register spills: attention as a whole (its per-thread K/V loads once spilled, and every
+token then waited for its own round trip) and the matvecs' weight-load and multiply lines,
+in the bf16 and the f32 build."""
 import pytest
 
 from tpmk.kernels import sass
+from tpmk.kernels.build import CSRC
 
 SNIPPET = '''
 	//## File "/x/csrc/ops/attention.cuh", line 12
@@ -15,14 +17,21 @@ SNIPPET = '''
         /*06c0*/                   STL.64 [R1+0x10], R6 ;
 '''
 
+# Inner-loop lines, found by their text (a rewrite that drops one fails the test).
+HOT_LINES = {
+    "mk_common.cuh": ["u[i][j] = k < m.kend ? __ldg(", "acc[j][b] += f[e] * xv[e]"],   # CUDA-core matvec
+    "mk_mma.cuh": ["const uint4 bx = ", "asm(\"mma.sync.aligned"],                         # tensor cores (bf16)
+}
+
 
 def test_spills_are_counted_per_source_line():
     # the STL.64 without SpillRefill is a call frame's save, not a spill
     assert sass.spills_by_line(SNIPPET) == {("attention.cuh", 12): 1, ("mk_common.cuh", 7): 2}
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_attention_has_no_register_spills(dtype, tmp_path, monkeypatch):
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def compiled(request, tmp_path_factory):
+    """(dtype, SASS text with line info) of the whole megakernel."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("cuda.bindings.nvrtc")
     try:
@@ -30,14 +39,40 @@ def test_attention_has_no_register_spills(dtype, tmp_path, monkeypatch):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     from tpmk.kernels.megakernel import compile_megakernel
-    monkeypatch.setenv("TPMK_CACHE", str(tmp_path))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TPMK_CACHE", str(tmp_path_factory.mktemp("cubin")))
     try:
-        cubin = compile_megakernel(getattr(torch, dtype))
+        cubin = compile_megakernel(getattr(torch, request.param))
     except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine
         if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
             pytest.skip(f"NVRTC library not installed: {e}")
         raise
-    text = sass.disassemble(cubin)
+    finally:
+        mp.undo()
+    return request.param, sass.disassemble(cubin)
+
+
+def test_attention_has_no_register_spills(compiled):
+    dtype, text = compiled
     assert 'ops/attention.cuh", line' in text   # line info present, attention compiled in
     spills = {k: n for k, n in sass.spills_by_line(text).items() if k[0] == "attention.cuh"}
     assert not spills, f"register spills in attention ({dtype}): {spills}"
+
+
+def test_matvec_inner_loops_have_no_register_spills(compiled):
+    dtype, text = compiled
+    spills = sass.spills_by_line(text)
+    for name, markers in HOT_LINES.items():
+        if name == "mk_mma.cuh" and dtype == "float32":
+            continue   # the tensor-core path is bf16 only
+        src = (CSRC / name).read_text().splitlines()
+        for marker in markers:
+            starts = [i for i, s in enumerate(src) if marker in s]
+            assert starts, f"{name}: no line contains {marker!r} (update HOT_LINES)"
+            lines = []   # each marked statement, to the line that ends it (the SASS may name any)
+            for i in starts:
+                end = next(j for j in range(i, len(src)) if src[j].rstrip().endswith(";"))
+                lines += range(i + 1, end + 2)
+            assert any(f'{name}", line {n}' in text for n in lines), f"{name}:{lines} not in the SASS"
+            hot = {n: spills[(name, n)] for n in lines if spills[(name, n)]}
+            assert not hot, f"register spills on {name} lines {hot} ({marker!r}, {dtype})"
