@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from tpmk.config import ModelConfig
@@ -145,3 +146,18 @@ def with_lm_head(shards: list[RankWeights], cfg: ModelConfig, w: torch.Tensor) -
     full[:cfg.vocab_size] = w
     return [dataclasses.replace(s, lm_head=full[s.rank * vp:(s.rank + 1) * vp].to(s.lm_head.dtype)
                                 .contiguous()) for s in shards]
+
+
+def compile_or_skip(dtype: str, cache_dir) -> bytes:
+    """The megakernel's sm_90a cubin of `dtype` ("bfloat16" | "float32"), compiled on this
+    machine by NVRTC (no GPU needed) into cache_dir; skips where NVRTC is not installed."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from tpmk.kernels.megakernel import compile_megakernel
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPMK_CACHE", str(cache_dir))
+        try:
+            return compile_megakernel(getattr(torch, dtype))
+        except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine
+            if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
+                pytest.skip(f"NVRTC library not installed: {e}")
+            raise

@@ -3,6 +3,7 @@ import ctypes
 
 import pytest
 
+from _mk_helpers import compile_or_skip
 from tpmk.config import ModelConfig
 from tpmk.kernels import isa
 from tpmk.kernels.ops import REGISTRY, Instruction
@@ -48,16 +49,7 @@ def test_too_many_waits_is_an_error():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_megakernel_compiles_for_sm90a_with_nvrtc(dtype, tmp_path, monkeypatch):
+def test_megakernel_compiles_for_sm90a_with_nvrtc(dtype, tmp_path):
     """CPU-only: NVRTC compiles the whole kernel (catches CUDA syntax errors in CI)."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("cuda.bindings.nvrtc")
-    from tpmk.kernels.megakernel import compile_megakernel
-    monkeypatch.setenv("TPMK_CACHE", str(tmp_path))
-    try:
-        cubin = compile_megakernel(getattr(torch, dtype))
-    except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine
-        if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
-            pytest.skip(f"NVRTC library not installed: {e}")
-        raise
+    cubin = compile_or_skip(dtype, tmp_path)
     assert len(cubin) > 10_000

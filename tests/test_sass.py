@@ -4,6 +4,7 @@ token then waited for its own round trip) and the matvecs' weight-load and multi
 in the bf16 and the f32 build."""
 import pytest
 
+from _mk_helpers import compile_or_skip
 from tpmk.kernels import sass
 from tpmk.kernels.build import CSRC
 
@@ -32,23 +33,11 @@ def test_spills_are_counted_per_source_line():
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def compiled(request, tmp_path_factory):
     """(dtype, SASS text with line info) of the whole megakernel."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("cuda.bindings.nvrtc")
     try:
         sass.nvdisasm_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    from tpmk.kernels.megakernel import compile_megakernel
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TPMK_CACHE", str(tmp_path_factory.mktemp("cubin")))
-    try:
-        cubin = compile_megakernel(getattr(torch, request.param))
-    except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine
-        if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
-            pytest.skip(f"NVRTC library not installed: {e}")
-        raise
-    finally:
-        mp.undo()
+    cubin = compile_or_skip(request.param, tmp_path_factory.mktemp("cubin"))
     return request.param, sass.disassemble(cubin)
 
 
