@@ -51,10 +51,9 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
     const int r = e * RS;
     const bool ok = k_ok && r < rows_left;
     const __nv_bfloat16* s = ok ? src + (size_t)r * ldx : safe;
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst + r * XS);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(s), "r"(ok ? 16 : 0) : "memory");
+    cp_async16(dst + r * XS, s, ok ? 16 : 0);
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  cp_async_commit();
 }
 
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).

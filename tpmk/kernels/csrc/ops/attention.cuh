@@ -28,11 +28,6 @@ __device__ __forceinline__ void lds_oct(const char* p, float* f) {
   for (int i = 0; i < (int)(sizeof(wtype) / 2); i++) unpack(reinterpret_cast<const uint4*>(p)[i], f + i * VEC);
 }
 
-__device__ __forceinline__ void cp_async16(char* dst, const void* src) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-
 // attn_out[b, (g G + h) D + d] = sum_s coef[h, s] acc_s[d] with coef[h, s] = e^(m_s - M) / sum_s'
 // e^(m_s' - M) l_s' (M: the max of m over the splits); part: the group's [G, S, D + 2].
 // Each output float4 is summed over the splits by P = NTHREADS / (G D / 4) threads (each
@@ -117,7 +112,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
       cp_async16(kd + t * RB, reinterpret_cast<const char*>(kbase + off) + pc * 16);
       cp_async16(vd + t * RB, reinterpret_cast<const char*>(vbase + off) + pc * 16);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    cp_async_commit();
   };
   if (nchunks > 0) issue(0);
   const float* q = reinterpret_cast<const float*>(a.q) + ((size_t)b * a.q_heads + g * G) * D;
