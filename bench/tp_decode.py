@@ -13,7 +13,7 @@ Writes bench/results/tp_decode_<device>_tp<N>.json.
 
   python bench/tp_decode.py --tp 8 --config llama-3-70b --layers 8 --batch 1 8 32 64
   python bench/tp_decode.py --tp 2 --config tiny --device cpu --engines reference interpreter \
-      --batch 1 2 --ctx 16 --steps 3 --out /tmp/tp   # CPU smoke (tests/test_bench.py)
+      --batch 1 2 --ctx 16 --steps 3 --out /tmp/tp   # CPU smoke (tests/test_bench_tp_decode.py)
 
 A checkpoint of `--layers` layers (0: all) is written once to --ckpt (random weights,
 tpmk.checkpoint); step times then cover those layers plus embedding and LM head.
@@ -67,12 +67,12 @@ def time_engine(model_dir: str, runtime: RuntimeConfig, launcher: str, batches: 
                     own.append(res.step_ms)
                 tokens = res.tokens
                 out.append(list(tokens))
-            ms = statistics.median(wall)
-            rows.append(dict(engine=runtime.engine, batch=batch, ctx=ctx, step_ms=ms,
-                             rank0_step_ms=statistics.median(own), tok_s=batch * 1e3 / ms,
-                             tokens=out))
-            print(f"{runtime.engine:>11} batch {batch:>3}: {ms:8.2f} ms/step (rank 0: "
-                  f"{rows[-1]['rank0_step_ms']:.2f}), {batch * 1e3 / ms:9.1f} tok/s", flush=True)
+            r = dict(engine=runtime.engine, batch=batch, ctx=ctx, step_ms=statistics.median(wall),
+                     rank0_step_ms=statistics.median(own), tokens=out)
+            r["tok_s"] = batch * 1e3 / r["step_ms"]
+            rows.append(r)
+            print(f"{runtime.engine:>11} batch {batch:>3}: {r['step_ms']:8.2f} ms/step (rank 0: "
+                  f"{r['rank0_step_ms']:.2f}), {r['tok_s']:9.1f} tok/s", flush=True)
     finally:
         client.close()   # shuts the ranks down
     return rows
