@@ -37,6 +37,7 @@ NTHREADS = 512            # threads per CTA (one persistent CTA per SM)
 NWARPS = NTHREADS // 32
 BATCH_CHUNK = 4           # batch rows per CUDA-core matvec pass (inputs in shared memory)
 ATTN_CHUNK = 128          # attention: most tokens per chunk (the scores' row stride)
+ATTN_PAGES = ATTN_CHUNK + 4  # attention: page numbers of one chunk (page size 1: ATTN_CHUNK), padded
 ATTN_KV_BYTES = 32768     # attention: most bytes of one K (or V) chunk in shared memory
 MMA_PASS = 128            # tensor-core matvec: batch rows per pass (n-tiles of 8): batch 128 streams
                           # each weight tile once
@@ -220,6 +221,7 @@ def generate_header() -> str:
         f"constexpr int NTHREADS = {NTHREADS};",
         f"constexpr int BATCH_CHUNK = {BATCH_CHUNK};",
         f"constexpr int ATTN_CHUNK = {ATTN_CHUNK};",
+        f"constexpr int ATTN_PAGES = {ATTN_PAGES};",
         f"constexpr int MMA_PASS = {MMA_PASS};",
         f"constexpr int MMA_KC1 = {MMA_KC1};",
         f"constexpr int MMA_SMEM_WORDS = {MMA_SMEM_WORDS};",

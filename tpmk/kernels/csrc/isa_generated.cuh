@@ -13,6 +13,7 @@ constexpr int MMA_MIN_BATCH = 5;
 constexpr int NTHREADS = 512;
 constexpr int BATCH_CHUNK = 4;
 constexpr int ATTN_CHUNK = 128;
+constexpr int ATTN_PAGES = 132;
 constexpr int MMA_PASS = 128;
 constexpr int MMA_KC1 = 4096;
 constexpr int MMA_SMEM_WORDS = 53376;

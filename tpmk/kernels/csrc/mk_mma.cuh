@@ -115,11 +115,6 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       const int kc0 = c * KC;
       asm volatile("cp.async.wait_all;" ::: "memory");   // this thread's copies of chunk c
       __syncthreads();   // everyone's copies of chunk c landed; chunk c - 1's buffer is no longer read
-      if (warp == NWARPS - 1 && kc0 + KC < K) {   // hint: next chunk's weights -> L2
-        const unsigned bytes = (unsigned)min(KC, K - kc0 - KC) * sizeof(wtype);
-        for (int r = lane; r < nrows; r += 32)
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row(r) + kc0 + KC), "r"(bytes) : "memory");
-      }
       if (c + 1 < nchunks)
         mma_stage<NT>(xsrc + kc0 + KC, src.ldx, nb - row0, kc0 + KC + kk < K, src.bf,
                       xdst + (c + 1) % 2 * NB * XS);

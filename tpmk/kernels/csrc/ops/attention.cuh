@@ -19,8 +19,10 @@
 #pragma once
 #include "mk_common.cuh"
 #include "mk_sync.cuh"
+#include "mk_mma.cuh"
 
 constexpr int ATTN_CHUNK = isa::ATTN_CHUNK;   // most tokens per chunk (the scores' row stride)
+constexpr int ATTN_PAGES = isa::ATTN_PAGES;   // page numbers one chunk can touch, padded
 
 // 8 consecutive cache elements (16 bytes in bf16, 32 in f32) from shared memory -> f.
 __device__ __forceinline__ void lds_oct(const char* p, float* f) {
@@ -77,6 +79,15 @@ __device__ void merge_group(const KernelArgs& a, const float* part, float* out, 
   }
 }
 
+// Whether the scores run on the tensor cores (q in bf16): bf16 steps of >= MMA_MIN_BATCH rows, G <= 16.
+__device__ __forceinline__ bool attn_tc(int batch, int G) {
+#ifdef MK_HAS_MMA
+  return mma_batch(batch) && G <= 16;
+#else
+  return false;
+#endif
+}
+
 __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], b = ins[isa::F_ARG0];
   if (b >= batch) return;
@@ -92,31 +103,56 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   // state, then the K/V chunk buffers [2 stages][K, V][CH rows of RB bytes]; after the last
   // chunk the token phases' partial sums [Q][G * D] reuse the buffers.
   const int RB = D * (int)sizeof(wtype) + 16;
-  float* qs = smem + NWARPS * BATCH_CHUNK;   // [G, D]
-  float* sc = qs + G * D;                    // [G, ATTN_CHUNK] scores, then probabilities
+  // Tensor-core scores (bf16 steps of >= MMA_MIN_BATCH rows, G <= 16): q as bf16 rows
+  // [16][D + 8] (rows >= G zero); otherwise q * scale in f32 [G, D].
+  float* qs = smem + NWARPS * BATCH_CHUNK;   // [max(G D, 8 (D + 8))] words
+  float* sc = qs + max(G * D, 8 * (D + 8));  // [G, ATTN_CHUNK] scores, then probabilities
   float* st = sc + G * ATTN_CHUNK;           // m[G], l[G], alpha[G]
-  char* kvs = reinterpret_cast<char*>(st + ((3 * G + 3) & ~3));
+  int* spg = reinterpret_cast<int*>(st + ((3 * G + 3) & ~3));   // [2][ATTN_PAGES] page numbers
+  char* kvs = reinterpret_cast<char*>(spg + 2 * ATTN_PAGES);
   const size_t head_stride = (size_t)ps * D, page_stride = (size_t)a.kv_heads * head_stride;
   const size_t layer_off = (size_t)l * a.num_pages * page_stride + g * head_stride;
   const wtype* kbase = reinterpret_cast<const wtype*>(a.k_cache) + layer_off;
   const wtype* vbase = reinterpret_cast<const wtype*>(a.v_cache) + layer_off;
   // Copies: thread (row phase, 16-byte column pc) takes rows tr, tr + RSTEP, ... of K and V.
   const int PR = D * (int)sizeof(wtype) / 16, pc = threadIdx.x % PR, tr = threadIdx.x / PR, RSTEP = NTHREADS / PR;
-  auto issue = [&](int c) {   // chunk c -> stage c % 2, one commit group
+  // Chunk c's page numbers (pages c0 / ps ..) are copied to spg[c % 2] with chunk c - 1's K/V,
+  // so a K/V copy never waits for its page number's round trip.
+  auto copy_pages = [&](int c) {
+    const int c0 = t0 + c * CH;
+    if (c < nchunks && threadIdx.x <= (min(CH, t1 - c0) - 1 + c0 % ps) / ps)
+      cp_async4(spg + c % 2 * ATTN_PAGES + threadIdx.x, pages + c0 / ps + threadIdx.x);
+  };
+  auto issue = [&](int c) {   // chunk c -> stage c % 2 and chunk c + 1's pages, one commit group
     const int c0 = t0 + c * CH, cn = min(CH, t1 - c0);
     char* kd = kvs + (size_t)(c % 2) * 2 * CH * RB + pc * 16;
     char* vd = kd + (size_t)CH * RB;
+    const int* pg = spg + c % 2 * ATTN_PAGES - c0 / ps;
     for (int t = tr; t < cn; t += RSTEP) {
       const int tok = c0 + t;
-      const size_t off = (size_t)__ldg(pages + tok / ps) * page_stride + (size_t)(tok % ps) * D;
+      const size_t off = (size_t)pg[tok / ps] * page_stride + (size_t)(tok % ps) * D;
       cp_async16(kd + t * RB, reinterpret_cast<const char*>(kbase + off) + pc * 16);
       cp_async16(vd + t * RB, reinterpret_cast<const char*>(vbase + off) + pc * 16);
     }
+    copy_pages(c + 1);
     cp_async_commit();
   };
-  if (nchunks > 0) issue(0);
+  if (nchunks > 0) {   // chunk 0's page numbers, then its K/V
+    copy_pages(0);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    issue(0);
+  }
   const float* q = reinterpret_cast<const float*>(a.q) + ((size_t)b * a.q_heads + g * G) * D;
-  for (int i = threadIdx.x; i < G * D; i += NTHREADS) qs[i] = ld_act(q + i) * a.attn_scale;
+  if (attn_tc(batch, G)) {
+    __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(qs);
+    for (int i = threadIdx.x; i < 16 * (D + 8); i += NTHREADS) {
+      const int h = i / (D + 8), d = i % (D + 8);
+      qb[i] = __float2bfloat16_rn(h < G && d < D ? ld_act(q + h * D + d) : 0.f);
+    }
+  } else {
+    for (int i = threadIdx.x; i < G * D; i += NTHREADS) qs[i] = ld_act(q + i) * a.attn_scale;
+  }
   for (int h = threadIdx.x; h < G; h += NTHREADS) { st[h] = isa::NEG_INF; st[G + h] = 0.f; }
   // P.V roles: NO output octets, Q token phases; threads past Q * NO only help with the rest.
   const int NO = G * D / 8, Q = NTHREADS / NO, o = threadIdx.x % NO, qt = threadIdx.x / NO;
@@ -131,6 +167,25 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     if (c + 1 < nchunks) issue(c + 1);                   // in flight during this chunk
     const char* kc = kvs + (size_t)(c % 2) * 2 * CH * RB;
     const char* vc = kc + (size_t)CH * RB;
+#ifdef MK_HAS_MMA
+    if (attn_tc(batch, G)) {   // scores on tensor cores: warp j takes tokens 8j..8j+7 (an n-tile), all heads
+      const int gr = lane >> 2, t4 = lane & 3, QW = (D + 8) / 2;
+      const unsigned* qa = reinterpret_cast<const unsigned*>(qs) + gr * QW + t4;   // head gr
+      const unsigned* qb = qa + 8 * QW;                                             // head gr + 8
+      for (int j = warp; j * 8 < cn; j += NWARPS) {
+        const unsigned* kr = reinterpret_cast<const unsigned*>(kc + (j * 8 + gr) * RB) + t4;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int k = 0; k < D / 2; k += 8) mma_bf16(c, qa[k], qb[k], qa[k + 4], qb[k + 4], kr[k], kr[k + 4]);
+        // c[0..1]: head gr, tokens 8j + 2 t4 + {0, 1}; c[2..3]: head gr + 8
+        const int tk = j * 8 + 2 * t4;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int h = gr + (e >> 1) * 8, tt = tk + (e & 1);
+          if (h < G && tt < cn) sc[h * ATTN_CHUNK + tt] = c[e] * a.attn_scale;
+        }
+      }
+    } else
+#endif
     {   // scores
       const int t = threadIdx.x % CH, P = NTHREADS / CH;
       if (t < cn)
