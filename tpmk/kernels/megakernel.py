@@ -58,13 +58,16 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype)
     """The least dynamic shared memory the ops need; the kernel is launched with it."""
     hq, hkv = local_heads(cfg, sched.tp)
     G, D = hq // hkv, cfg.head_dim
-    # attention.cuh: q (f32, or bf16 [16, D + 8] for the tensor cores), scores, m/l/alpha
-    # (padded to 4), two chunks' page numbers, then the K/V chunk buffers (2 stages x K, V x attn_chunk rows of D elements + 16 bytes), which
-    # the token phases' partial sums [NTHREADS // (G D / 8), G D] reuse; then the last
-    # split's merge: split weights [G, S] (padded to 4), per-thread float4 sums
+    # attention.cuh: q (f32, or bf16 [16, D + 8] for the tensor cores), scores, bf16
+    # probabilities [16, ATTN_CHUNK + 8] (tensor-core P.V), m/l/alpha (padded to 4), two
+    # chunks' page numbers, then the K/V chunk buffers (2 stages x K, V x attn_chunk rows of
+    # D elements + 16 bytes), which the token phases' partial sums [NTHREADS // (G D / 8), G D]
+    # reuse; then the last split's merge: split weights [G, S] (padded to 4), per-thread float4
+    # sums
     row_bytes = D * dtype.itemsize + 16
     kv = max(isa.attn_chunk(D, dtype.itemsize) * row_bytes, NTHREADS // (G * D // 8) * G * D)
-    attn = max(G * D, 8 * (D + 8)) + G * ATTN_CHUNK + ((3 * G + 3) & ~3) + 2 * isa.ATTN_PAGES + kv
+    attn = (max(G * D, 8 * (D + 8)) + G * ATTN_CHUNK + 8 * (ATTN_CHUNK + 8) + ((3 * G + 3) & ~3)
+            + 2 * isa.ATTN_PAGES + kv)
     merge = ((G * sched.num_splits + 3) & ~3) + 4 * max(NTHREADS, G * D // 4)
     linear = BATCH_CHUNK * (kmax + out_words(sched))   # inputs, then outputs
     topk = 2 * NWARPS * isa.TOPK                   # argmax.cuh: per-warp (value, id) lists

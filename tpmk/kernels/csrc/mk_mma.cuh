@@ -31,6 +31,14 @@ __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, uns
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Four 8x8 bf16 matrices from shared memory, transposed (ldmatrix .trans): lane l gives the
+// address of row l; register i holds matrix i's fragment (the B operand of a row-major [k][n]).
+__device__ __forceinline__ void ldsm_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+
 // Batch rows per pass for a tile of `nrows` outputs (the staging area holds MMA_OUT_WORDS).
 __device__ __forceinline__ int mma_pass_rows(int nrows) {
   return max(8, min(MMA_PASS, (MMA_OUT_WORDS / max(nrows, 1)) & ~7));

@@ -62,11 +62,12 @@ class Attention(Instruction):
         k = st.k_cache[self.layer, pages, g, t % ps].float()                   # [T, D]
         v = st.v_cache[self.layer, pages, g, t % ps].float()
         q = st.q[b].view(-1, D)[g * G:(g + 1) * G]                             # [G, D]
-        if vm.tensor_cores and G <= 16:   # the CUDA scores' tensor cores take q in bf16
+        if vm.tensor_cores and G <= 16:   # the CUDA tensor-core scores take q in bf16
             q = q.to(torch.bfloat16).float()
         s = (q @ k.T) * vm.attn_scale                                          # [G, T]
         m = s.max(dim=1).values
         p = torch.exp(s - m[:, None])
-        part[:, :D] = p @ v
+        # tensor cores: P.V takes the probabilities in bf16; l sums them in f32
+        part[:, :D] = (p.to(torch.bfloat16).float() if vm.tensor_cores and G <= 16 else p) @ v
         part[:, D] = m
         part[:, D + 1] = p.sum(dim=1)

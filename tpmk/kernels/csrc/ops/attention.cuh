@@ -107,7 +107,9 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   // [16][D + 8] (rows >= G zero); otherwise q * scale in f32 [G, D].
   float* qs = smem + NWARPS * BATCH_CHUNK;   // [max(G D, 8 (D + 8))] words
   float* sc = qs + max(G * D, 8 * (D + 8));  // [G, ATTN_CHUNK] scores, then probabilities
-  float* st = sc + G * ATTN_CHUNK;           // m[G], l[G], alpha[G]
+  // Tensor-core P.V: probabilities as bf16 rows [16][ATTN_CHUNK + 8] (the A operand).
+  __nv_bfloat16* pb = reinterpret_cast<__nv_bfloat16*>(sc + G * ATTN_CHUNK);
+  float* st = sc + G * ATTN_CHUNK + 8 * (ATTN_CHUNK + 8);   // m[G], l[G], alpha[G]
   int* spg = reinterpret_cast<int*>(st + ((3 * G + 3) & ~3));   // [2][ATTN_PAGES] page numbers
   char* kvs = reinterpret_cast<char*>(spg + 2 * ATTN_PAGES);
   const size_t head_stride = (size_t)ps * D, page_stride = (size_t)a.kv_heads * head_stride;
@@ -134,6 +136,8 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
       cp_async16(kd + t * RB, reinterpret_cast<const char*>(kbase + off) + pc * 16);
       cp_async16(vd + t * RB, reinterpret_cast<const char*>(vbase + off) + pc * 16);
     }
+    // V rows up to the next multiple of 16 are zeros: the tensor-core P.V reads whole k16 steps.
+    for (int t = cn + tr; t < ((cn + 15) & ~15); t += RSTEP) cp_async16(vd + t * RB, vbase, 0);
     copy_pages(c + 1);
     cp_async_commit();
   };
@@ -145,6 +149,8 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   }
   const float* q = reinterpret_cast<const float*>(a.q) + ((size_t)b * a.q_heads + g * G) * D;
   if (attn_tc(batch, G)) {
+    for (int i = G * (ATTN_CHUNK + 8) + threadIdx.x; i < 16 * (ATTN_CHUNK + 8); i += NTHREADS)
+      pb[i] = __float2bfloat16_rn(0.f);   // heads >= G
     __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(qs);
     for (int i = threadIdx.x; i < 16 * (D + 8); i += NTHREADS) {
       const int h = i / (D + 8), d = i % (D + 8);
@@ -212,8 +218,10 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
       for (int t = lane; t < cn; t += 32) {
         const float p = expf(sc[h * ATTN_CHUNK + t] - mnew);
         sc[h * ATTN_CHUNK + t] = p;
+        pb[h * (ATTN_CHUNK + 8) + t] = __float2bfloat16_rn(p);
         sum += p;
       }
+      for (int t = cn + lane; t < ((cn + 15) & ~15); t += 32) pb[h * (ATTN_CHUNK + 8) + t] = __float2bfloat16_rn(0.f);
       sum = warp_sum(sum);
       __syncwarp();
       if (lane == 0) {
@@ -224,6 +232,27 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
       }
     }
     __syncthreads();
+#ifdef MK_HAS_MMA
+    if (attn_tc(batch, G)) {   // P.V on tensor cores: warp w takes dims 8j..8j+7 (j = w, w + 16)
+      const int gr = lane >> 2, t4 = lane & 3, PW = (ATTN_CHUNK + 8) / 2, cn16 = (cn + 15) & ~15;
+      const unsigned* pa = reinterpret_cast<const unsigned*>(pb) + gr * PW + t4;   // head gr; + 8 PW: gr + 8
+      const float al0 = gr < G ? st[2 * G + gr] : 0.f, al1 = gr + 8 < G ? st[2 * G + gr + 8] : 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; e++) av[e] *= (e & 2) ? al1 : al0;
+      for (int kk = 0; kk < cn16; kk += 32) {
+        const unsigned* p0 = pa + kk / 2;
+#pragma unroll
+        for (int s2 = 0; s2 < 2; s2++) {
+          const int j = warp + s2 * NWARPS;
+          if (j * 8 >= D) break;   // warp-uniform
+          unsigned v0, v1, v2, v3;   // B fragments of k steps kk and kk + 16 (V rows kk + lane)
+          ldsm_x4_trans(v0, v1, v2, v3, vc + (kk + lane) * RB + 16 * j);
+          mma_bf16(av + 4 * s2, p0[0], p0[8 * PW], p0[4], p0[8 * PW + 4], v0, v1);
+          if (kk + 16 < cn16) mma_bf16(av + 4 * s2, p0[8], p0[8 * PW + 8], p0[12], p0[8 * PW + 12], v2, v3);
+        }
+      }
+    } else
+#endif
     if (qt < Q) {   // P.V for this thread's octet and token phase
       const float alpha = st[2 * G + vh];
 #pragma unroll
@@ -238,7 +267,21 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     }
   }
   __syncthreads();   // the chunk buffers are no longer read: the phases' partials go there
-  float* red = reinterpret_cast<float*>(kvs);   // [Q][G * D]
+  float* red = reinterpret_cast<float*>(kvs);   // [Q][G * D] (tensor cores: [1][G * D])
+  int nq = Q;
+#ifdef MK_HAS_MMA
+  if (attn_tc(batch, G)) {   // C fragments: av[4 s + 0..1] head gr, dims 8j + 2 t4 + {0, 1}; [2..3] head gr + 8
+    nq = 1;
+    const int gr = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int s2 = 0; s2 < 2; s2++) {
+      const int j = warp + s2 * NWARPS, d = 8 * j + 2 * t4;
+      if (j * 8 >= D) break;
+      if (gr < G) { red[gr * D + d] = av[4 * s2]; red[gr * D + d + 1] = av[4 * s2 + 1]; }
+      if (gr + 8 < G) { red[(gr + 8) * D + d] = av[4 * s2 + 2]; red[(gr + 8) * D + d + 1] = av[4 * s2 + 3]; }
+    }
+  } else
+#endif
   if (qt < Q) {
     float4* r = reinterpret_cast<float4*>(red + (size_t)qt * G * D + vh * D + vd0);
     r[0] = make_float4(av[0], av[1], av[2], av[3]);
@@ -251,7 +294,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     float v;
     if (d < D) {
       v = 0.f;
-      for (int p = 0; p < Q; p++) v += red[(size_t)p * G * D + h * D + d];
+      for (int p = 0; p < nq; p++) v += red[(size_t)p * G * D + h * D + d];
     } else {
       v = st[(d - D) * G + h];
     }
