@@ -112,13 +112,22 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     uint4 ca[U], cb[U];
     load_group(0, ca, cb);
     mma_stage<NT>(xsrc, src.ldx, nb - row0, kk < K, src.bf, xdst);
-    if (src.nw)   // row b's sum of squares: its residual tiles' partials in fixed order
-      for (int b = warp; b < nb; b += NWARPS) {
-        float s2 = 0.f;
-        for (int j = lane; j < src.nss; j += 32) s2 += ld_act(src.ssq + (size_t)(b0 + b) * src.nss + j);
-        s2 = warp_sum(s2);
-        if (lane == 0) ss[b] = s2;
+    if (src.nw && mt0 == 0) {   // row b's sum of squares: its residual tiles' partials in fixed
+      // order; a warp's rows b = warp + r NWARPS load together (one round trip per 32 partials)
+      constexpr int R = MMA_PASS / NWARPS;
+      float s2[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) s2[r] = 0.f;
+      for (int j = lane; j < src.nss; j += 32)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+          if (warp + r * NWARPS < nb) s2[r] += ld_act(src.ssq + (size_t)(b0 + warp + r * NWARPS) * src.nss + j);
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const float t = warp_sum(s2[r]);
+        if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
       }
+    }
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
       asm volatile("cp.async.wait_all;" ::: "memory");   // this thread's copies of chunk c
@@ -157,9 +166,9 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
         for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
     __syncthreads();
     // C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols).
-    for (int idx = threadIdx.x; idx < mcount * 16 * nb; idx += NTHREADS) {
-      const int b = idx % nb, m = idx / nb / 16, r16 = idx / nb % 16, r = (mt0 + m) * 16 + r16;
-      if (r >= nrows) continue;
+    for (int idx = threadIdx.x; idx < mcount * 16 * NB; idx += NTHREADS) {   // NB: shifts, not divisions
+      const int b = idx % NB, m = idx / NB / 16, r16 = idx / NB % 16, r = (mt0 + m) * 16 + r16;
+      if (r >= nrows || b >= nb) continue;
       const int n = b >> 3, i = (r16 >> 3) * 2 + (b & 1), ln = (r16 & 7) * 4 + ((b & 7) >> 1);
       float v = 0.f;
       for (int p = 0; p < ks; p++) v += part[(((m * ks + p) * NT + n) * 4 + i) * 32 + ln];
