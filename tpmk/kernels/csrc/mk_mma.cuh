@@ -165,11 +165,15 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
         for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
     __syncthreads();
-    // C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols).
-    for (int idx = threadIdx.x; idx < mcount * 16 * NB; idx += NTHREADS) {   // NB: shifts, not divisions
-      const int b = idx % NB, m = idx / NB / 16, r16 = idx / NB % 16, r = (mt0 + m) * 16 + r16;
+    // C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols), so lane
+    // ln's acc[n][i] is row 8 (i / 2) + ln / 4 of the m-tile, batch row 8 n + 2 (ln % 4) + i % 2.
+    // Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
+    // conflicts; with the batch row fastest, 8 lanes shared a bank) and its stores to outs hit 8
+    // banks (32 lanes on one with nrows % 32 == 0).
+    for (int idx = threadIdx.x; idx < mcount * NT * 128; idx += NTHREADS) {
+      const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);
+      const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (mt0 + m) * 16 + r16;
       if (r >= nrows || b >= nb) continue;
-      const int n = b >> 3, i = (r16 >> 3) * 2 + (b & 1), ln = (r16 & 7) * 4 + ((b & 7) >> 1);
       float v = 0.f;
       for (int p = 0; p < ks; p++) v += part[(((m * ks + p) * NT + n) * 4 + i) * 32 + ln];
       if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
