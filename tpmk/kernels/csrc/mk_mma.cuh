@@ -24,6 +24,21 @@ constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrow
 constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
 static_assert(MMA_OUT_AT + MMA_OUT_WORDS == isa::MMA_SMEM_WORDS, "isa.MMA_SMEM_WORDS (the host's size) drifted");
 
+// 16 bytes of a weight row: read-only, not kept in L1, and (unless MK_NO_L2_256B) a 256-byte
+// L2 fetch: a warp reads each of its 16 rows in 64-byte pieces, one per k block, and the K-part
+// warps interleave their k blocks, so ks = 4 warps together cover each 256-byte span.
+__device__ __forceinline__ uint4 ldg_w(const wtype* p) {
+  uint4 v;
+#ifdef MK_NO_L2_256B
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
+  return v;
+}
+
 __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -100,8 +115,8 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       for (int u = 0; u < U; u++) {
         const int kb = kb0 + u * ks, k = kc0 + kb * 32 + 8 * t;
         const bool ok = live && kb < NKB && k < K;
-        ua[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wa + k)) : make_uint4(0, 0, 0, 0);
-        ub[u] = ok ? __ldg(reinterpret_cast<const uint4*>(wb + k)) : make_uint4(0, 0, 0, 0);
+        ua[u] = ok ? ldg_w(wa + k) : make_uint4(0, 0, 0, 0);
+        ub[u] = ok ? ldg_w(wb + k) : make_uint4(0, 0, 0, 0);
       }
     };
     float acc[NT][4];
