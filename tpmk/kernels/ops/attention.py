@@ -55,6 +55,13 @@ class Attention(Instruction):
         heads = slice(g * G, (g + 1) * G)
         st.attn_out[b].view(-1, D)[heads] = merge_splits(st.attn_part[b:b + 1, heads], D).view(G, D)
 
+    @staticmethod
+    def tensor_cores(vm, G: int) -> bool:
+        """Whether the CUDA op runs scores and P.V on tensor cores (attention.cuh attn_tc): a
+        tensor-core step (bf16, batch >= MMA_MIN_BATCH), at most 16 heads per kv head (one m16
+        tile), head_dim >= 16 (whole k16 steps)."""
+        return vm.tensor_cores and G <= 16 and vm.head_dim >= 16
+
     def _partial(self, vm, st, b: int, g: int, G: int, t0: int, t1: int, part: torch.Tensor) -> None:
         D, ps = vm.head_dim, vm.page_size
         t = torch.arange(t0, t1)
@@ -62,12 +69,13 @@ class Attention(Instruction):
         k = st.k_cache[self.layer, pages, g, t % ps].float()                   # [T, D]
         v = st.v_cache[self.layer, pages, g, t % ps].float()
         q = st.q[b].view(-1, D)[g * G:(g + 1) * G]                             # [G, D]
-        if vm.tensor_cores and G <= 16:   # the CUDA tensor-core scores take q in bf16
+        tc = self.tensor_cores(vm, G)
+        if tc:   # the tensor cores take q in bf16
             q = q.to(torch.bfloat16).float()
         s = (q @ k.T) * vm.attn_scale                                          # [G, T]
         m = s.max(dim=1).values
         p = torch.exp(s - m[:, None])
         # tensor cores: P.V takes the probabilities in bf16; l sums them in f32
-        part[:, :D] = (p.to(torch.bfloat16).float() if vm.tensor_cores and G <= 16 else p) @ v
+        part[:, :D] = (p.to(torch.bfloat16).float() if tc else p) @ v
         part[:, D] = m
         part[:, D + 1] = p.sum(dim=1)

@@ -79,10 +79,12 @@ __device__ void merge_group(const KernelArgs& a, const float* part, float* out, 
   }
 }
 
-// Whether the scores run on the tensor cores (q in bf16): bf16 steps of >= MMA_MIN_BATCH rows, G <= 16.
-__device__ __forceinline__ bool attn_tc(int batch, int G) {
+// Whether scores and P.V run on the tensor cores (q and the probabilities in bf16): bf16 steps
+// of >= MMA_MIN_BATCH rows, G <= 16 (one m16 tile of heads), D >= 16 (whole k16 steps). Must
+// match tpmk/kernels/ops/attention.py (Attention.tensor_cores).
+__device__ __forceinline__ bool attn_tc(int batch, int G, int D) {
 #ifdef MK_HAS_MMA
-  return mma_batch(batch) && G <= 16;
+  return mma_batch(batch) && G <= 16 && D >= 16;
 #else
   return false;
 #endif
@@ -148,7 +150,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     issue(0);
   }
   const float* q = reinterpret_cast<const float*>(a.q) + ((size_t)b * a.q_heads + g * G) * D;
-  if (attn_tc(batch, G)) {
+  if (attn_tc(batch, G, D)) {
     for (int i = G * (ATTN_CHUNK + 8) + threadIdx.x; i < 16 * (ATTN_CHUNK + 8); i += NTHREADS)
       pb[i] = __float2bfloat16_rn(0.f);   // heads >= G
     __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(qs);
@@ -174,7 +176,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     const char* kc = kvs + (size_t)(c % 2) * 2 * CH * RB;
     const char* vc = kc + (size_t)CH * RB;
 #ifdef MK_HAS_MMA
-    if (attn_tc(batch, G)) {   // scores on tensor cores: warp j takes tokens 8j..8j+7 (an n-tile), all heads
+    if (attn_tc(batch, G, D)) {   // scores on tensor cores: warp j takes tokens 8j..8j+7 (an n-tile), all heads
       const int gr = lane >> 2, t4 = lane & 3, QW = (D + 8) / 2;
       const unsigned* qa = reinterpret_cast<const unsigned*>(qs) + gr * QW + t4;   // head gr
       const unsigned* qb = qa + 8 * QW;                                             // head gr + 8
@@ -233,7 +235,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     }
     __syncthreads();
 #ifdef MK_HAS_MMA
-    if (attn_tc(batch, G)) {   // P.V on tensor cores: warp w takes dims 8j..8j+7 (j = w, w + 16)
+    if (attn_tc(batch, G, D)) {   // P.V on tensor cores: warp w takes dims 8j..8j+7 (j = w, w + 16)
       const int gr = lane >> 2, t4 = lane & 3, PW = (ATTN_CHUNK + 8) / 2, cn16 = (cn + 15) & ~15;
       const unsigned* pa = reinterpret_cast<const unsigned*>(pb) + gr * PW + t4;   // head gr; + 8 PW: gr + 8
       const float al0 = gr < G ? st[2 * G + gr] : 0.f, al1 = gr + 8 < G ? st[2 * G + gr + 8] : 0.f;
@@ -270,7 +272,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   float* red = reinterpret_cast<float*>(kvs);   // [Q][G * D] (tensor cores: [1][G * D])
   int nq = Q;
 #ifdef MK_HAS_MMA
-  if (attn_tc(batch, G)) {   // C fragments: av[4 s + 0..1] head gr, dims 8j + 2 t4 + {0, 1}; [2..3] head gr + 8
+  if (attn_tc(batch, G, D)) {   // C fragments: av[4 s + 0..1] head gr, dims 8j + 2 t4 + {0, 1}; [2..3] head gr + 8
     nq = 1;
     const int gr = lane >> 2, t4 = lane & 3;
 #pragma unroll
