@@ -25,7 +25,7 @@ echo "== ${#IDS[@]} GPU tests in $SHARDS processes"
 for ((s = 0; s < SHARDS; s++)); do
   ids=(); for ((i = s; i < ${#IDS[@]}; i += SHARDS)); do ids+=("${IDS[$i]}"); done
   [ ${#ids[@]} -gt 0 ] && OMP_NUM_THREADS=$(( 16 / SHARDS > 1 ? 16 / SHARDS : 1 )) timeout ${TEST_TIMEOUT:-150} \
-    python3 -m pytest -q -s -p no:cacheprovider "${ids[@]}" > "$OUT/pytest$s.log" 2>&1 &
+    python3 -m pytest -q -s -p no:cacheprovider --durations=5 "${ids[@]}" > "$OUT/pytest$s.log" 2>&1 &
 done
 for tool in ${SAN_TOOLS-memcheck racecheck}; do
   timeout ${TEST_TIMEOUT:-150} compute-sanitizer --tool $tool --report-api-errors no \
