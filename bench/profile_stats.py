@@ -6,12 +6,14 @@ previous stage's last instruction end to this stage's last end (what the stage a
 to the step when stages run back to back). Also the mean gap before an instruction
 on its SM (instruction fetch + counter wait).
 
-  python bench/profile_stats.py trace.json
+  python bench/profile_stats.py trace.json [--top N]
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import signal
 from collections import defaultdict
 
 
@@ -54,10 +56,14 @@ def stats(events: list[dict], pid: int = 0) -> list[dict]:
 
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)   # `| head` ends the listing quietly
     ap = argparse.ArgumentParser()
-    ap.add_argument("trace")
+    ap.add_argument("trace", help="Chrome trace from --profile (.json, or .json.gz)")
+    ap.add_argument("--top", type=int, default=0, help="print only the N ops longest on the critical path")
     args = ap.parse_args()
-    rows, total = stats(json.load(open(args.trace))["traceEvents"])
+    with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
+        rows, total = stats(json.load(f)["traceEvents"])
+    rows = rows[:args.top] if args.top > 0 else rows
     print(f"step span {total:.1f} us (rank 0)")
     print(f"{'op':>10} {'tiles':>6} {'mean us':>8} {'max us':>7} {'crit us/stage':>13} {'crit %':>6} {'gap us':>7}")
     for r in rows:
