@@ -1,0 +1,44 @@
+"""bench/profile_stats.py on a handmade two-SM trace whose figures are worked out by hand."""
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from profile_stats import stats  # noqa: E402
+
+# SM 0: qkv [0, 10), attention [12, 20); SM 1: qkv [1, 6), attention [7, 10); rank 1's
+# events (pid 1) must not count.
+EVENTS = [
+    dict(name="qkv L0 t0", pid=0, tid=0, ts=0.0, dur=10.0, args=dict(stage=0)),
+    dict(name="qkv L0 t1", pid=0, tid=1, ts=1.0, dur=5.0, args=dict(stage=0)),
+    dict(name="attention L0 t0", pid=0, tid=0, ts=12.0, dur=8.0, args=dict(stage=1)),
+    dict(name="attention L0 t1", pid=0, tid=1, ts=7.0, dur=3.0, args=dict(stage=1)),
+    dict(name="attention L0 t0", pid=1, tid=0, ts=50.0, dur=100.0, args=dict(stage=1)),
+]
+
+
+def test_per_op_critical_path_and_gaps():
+    rows, total = stats(EVENTS)
+    assert total == 20.0                       # first start 0 to last end 20
+    by = {r["op"]: r for r in rows}
+    q, a = by["qkv"], by["attention"]
+    assert (q["per_stage"], q["mean_us"], q["max_us"]) == (2, 7.5, 10.0)
+    assert (a["per_stage"], a["mean_us"], a["max_us"]) == (2, 5.5, 8.0)
+    assert q["crit_us_per_stage"] == 10.0      # 0 -> qkv's last end 10
+    assert a["crit_us_per_stage"] == 10.0      # 10 -> attention's last end 20
+    assert a["crit_frac"] == 0.5
+    assert a["mean_gap_us"] == 1.5             # SM 0: 12 - 10, SM 1: 7 - 6
+    assert q["mean_gap_us"] == 0.0             # nothing before it on either SM
+
+
+def test_cli_reads_gzip_and_top(tmp_path):
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": EVENTS}, f)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_stats.py"), str(path), "--top", "1"],
+                         check=True, capture_output=True, text=True).stdout.splitlines()
+    assert out[0] == "step span 20.0 us (rank 0)"
+    assert len(out) == 3 and out[2].split()[0] in ("qkv", "attention")
