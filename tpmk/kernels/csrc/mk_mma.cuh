@@ -15,6 +15,13 @@
 
 #ifdef MK_HAS_MMA
 
+// Tuning knob (off by default, bench/tune_sweep.sh): each m-tile's 16 weight rows are asked
+// into L2 MK_MMA_L2_AHEAD chunks ahead of their loads (cp.async.bulk.prefetch.L2 by lanes
+// t = 0 of the m-tile's first K-part warp; no registers held), so the register-bound loads
+// find them in L2.
+#ifndef MK_MMA_L2_AHEAD
+#define MK_MMA_L2_AHEAD 0
+#endif
 constexpr int MMA_PASS = isa::MMA_PASS;              // batch rows per pass (MMA_PASS / 8 n-tiles)
 constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC = MMA_KC1 / NT
 constexpr int MMA_PIECES = MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
@@ -125,6 +132,17 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
       for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
     uint4 ca[U], cb[U];
+    // Chunk c's 16 weight rows of this m-tile -> L2 (MK_MMA_L2_AHEAD > 0 only).
+    auto l2_ahead = [&](int c) {
+      const int kn = c * KC;
+      if (MK_MMA_L2_AHEAD > 0 && active && kp == 0 && t == 0 && kn < K) {
+        const unsigned bytes = (unsigned)min(KC, K - kn) * sizeof(wtype);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wa + kn), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wb + kn), "r"(bytes) : "memory");
+      }
+    };
+#pragma unroll
+    for (int c = 1; c < MK_MMA_L2_AHEAD; c++) l2_ahead(c);
     load_group(0, ca, cb);
     mma_stage<NT>(xsrc, src.ldx, nb - row0, kk < K, src.bf, xdst);
     if (src.nw && mt0 == 0) {   // row b's sum of squares: its residual tiles' partials in fixed
@@ -150,6 +168,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       if (c + 1 < nchunks)
         mma_stage<NT>(xsrc + kc0 + KC, src.ldx, nb - row0, kc0 + KC + kk < K, src.bf,
                       xdst + (c + 1) % 2 * NB * XS);
+      if (MK_MMA_L2_AHEAD > 0) l2_ahead(c + MK_MMA_L2_AHEAD);
       const __nv_bfloat16* xc = xbuf + c % 2 * NB * XS;
       for (int gc = 0; gc < groups; gc++) {
         uint4 na[U], nb2[U];
