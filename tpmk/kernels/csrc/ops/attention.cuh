@@ -10,8 +10,14 @@
 // registers: a load held in a spilled register made every token wait for its own round
 // trip), double-buffered: chunk c + 1 is in flight while chunk c is computed. Rows are padded
 // by 16 bytes, so 16-byte reads of 8 consecutive rows hit distinct banks.
-// Scores: thread (token t, head phase hp) computes q_h . K_t over the whole row for heads
-// h = hp, hp + P, ... (P = NTHREADS / CH): no shuffles.
+// Tensor-core steps (attn_tc: bf16, batch >= MMA_MIN_BATCH, G <= 16, D >= 16) run both
+// products as mma.sync m16n8k16 with the G heads as the 16 rows (rows >= G zero): scores =
+// q (bf16) . K^T, warp j taking tokens 8j..8j+7; P.V = P (bf16 rows in shared memory) . V
+// (ldmatrix.trans), warp w taking dims 8j..8j+7 for j = w, w + 16, its C fragments held
+// across chunks. At batch 128, ctx 4096 on an H200 this took attention from 371 to 122 us
+// per layer (the CUDA-core scores alone were 205 us).
+// Otherwise, on CUDA cores: scores: thread (token t, head phase hp) computes q_h . K_t over
+// the whole row for heads h = hp, hp + P, ... (P = NTHREADS / CH): no shuffles.
 // P.V: thread (token phase qt, head h, dim octet) accumulates its octet over tokens qt,
 // qt + Q, ... in registers across chunks (rescaled by each chunk's alpha); the Q partials are
 // summed once at the end, in fixed order (deterministic).
