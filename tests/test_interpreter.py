@@ -77,6 +77,25 @@ def test_tensor_core_batch_takes_bf16_inputs_within_bf16_tolerance_of_hf():
     assert float((got - want).abs().max() / want.abs().max()) < 3e-2
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
+@pytest.mark.parametrize("qkv_pairs", [1, 3, 8])
+def test_any_qkv_tile_height_matches_hf(qkv_pairs):
+    """build_schedule(qkv_pairs=...): qkv tiles of 1, 3 (the head's last one shorter) and all 8
+    of a head's rotary pairs give HF's logits, in adversarial order."""
+    cfg = ModelConfig.from_name("tiny-gqa")
+    model, shards = shards_for(cfg, 2, seed=4)
+    kc, vc = empty_caches(cfg, 2, num_pages=24, page_size=PAGE)
+    sched = build_schedule(cfg, 2, 2, 5, qkv_pairs=qkv_pairs)
+    assert {i.nrows for i in sched.instructions if i.name == "qkv"} == (
+        {qkv_pairs} if 8 % qkv_pairs == 0 else {qkv_pairs, 8 % qkv_pairs})
+    vm = VM(cfg, sched, shards, kc, vc)
+    prompts = [p[:3] for p in PROMPTS[:2]]
+    for pos in range(3):
+        vm.step([p[pos] for p in prompts], [pos, pos], [[0, 1, 2], [3, 4, 5]], order="adversarial", seed=pos)
+    with torch.no_grad():
+        want = model(torch.tensor(prompts)).logits[:, -1]
+    torch.testing.assert_close(vm.logits(), want, atol=2e-4, rtol=1e-4)
+
+
 def _vm(name, tp, bucket, num_sms, seed=0, reduce="oneshot", splits=0):
     cfg = ModelConfig.from_name(name)
     _, shards = shards_for(cfg, tp, seed=seed)

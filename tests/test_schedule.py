@@ -97,6 +97,16 @@ def test_auto_reduce_picks_the_mode_that_moves_its_bytes_sooner(tp, bucket):
         assert expect == "oneshot"   # 32 KB per rank: latency, not bandwidth
 
 
+def test_qkv_pairs_cuts_every_head_into_tiles_of_that_many_rotary_pairs():
+    cfg = ModelConfig.from_name("llama-3-70b")   # tp 8: 8 q + 1 k + 1 v heads, 64 pairs each
+    s = build_schedule(cfg, 8, 128, 132, qkv_pairs=8)
+    qkv = [(i.row0, i.arg0, i.nrows) for i in s.instructions if i.name == "qkv" and i.layer == 0]
+    assert sorted(qkv) == [(h, p, 8) for h in range(10) for p in range(0, 64, 8)]
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match=f"qkv_pairs={bad} must be in 0..head_dim/2=64"):
+            build_schedule(cfg, 8, 128, 132, qkv_pairs=bad)
+
+
 def test_reduce_choice_is_validated():
     cfg = ModelConfig.from_name("tiny")
     with pytest.raises(ValueError, match="reduce='ring'"):

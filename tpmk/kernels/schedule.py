@@ -129,7 +129,7 @@ class _Counters:
 
 
 def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
-                   num_splits: int = 0, reduce: str = "oneshot") -> Schedule:
+                   num_splits: int = 0, reduce: str = "oneshot", qkv_pairs: int = 0) -> Schedule:
     """reduce: how the o_proj / down partial sums meet.
       "oneshot": every rank pushes its partial of every hidden tile to every rank, which
         sums all tp partials itself (one hop; tp x the traffic).
@@ -137,6 +137,9 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         (tile % tp), the owner sums them, adds the residual and writes the result into
         every rank's x (two hops, 2 (tp - 1) / tp x the data per rank instead of tp - 1).
       "auto": choose_reduce(cfg, tp, bucket); Schedule.reduce holds the mode chosen.
+    qkv_pairs: rotary pairs (2 rows each) per qkv tile; 0: as many tiles as SMs. Every qkv
+      tile reads all of the step's activations, so at large buckets fewer, taller tiles
+      trade SMs for less of that traffic (a tuning knob: bench/decode.py --qkv-pairs).
     """
     if bucket < 1 or num_sms < 1:
         raise ValueError(f"bucket={bucket} and num_sms={num_sms} must be >= 1")
@@ -149,6 +152,8 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
     D, H, L = cfg.head_dim, cfg.hidden_size, cfg.num_hidden_layers
     if D % 2:
         raise ValueError(f"head_dim={D} must be even for RoPE")
+    if not 0 <= qkv_pairs <= D // 2:
+        raise ValueError(f"qkv_pairs={qkv_pairs} must be in 0..head_dim/2={D // 2} (0: one tile per SM)")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
     inter, vp = cfg.intermediate_size // tp, padded_vocab(cfg, tp) // tp
@@ -185,7 +190,8 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         residual_stage(0)]
     # qkv tiles: (local head, rotary pair range); pairs cut so there are ~num_sms tiles.
     n_heads = hq + 2 * hkv
-    pair_tiles = _tiles(D // 2, max(1, num_sms // n_heads), 1)
+    pair_tiles = (_tiles(D // 2, max(1, num_sms // n_heads), 1) if qkv_pairs == 0 else
+                  [(p, min(qkv_pairs, D // 2 - p)) for p in range(0, D // 2, qkv_pairs)])
     for l in range(L):
         qkv = [Qkv(layer=l, row0=h, arg0=p, nrows=n, waits=[(ready[2 * l], nh)],
                    signal=qkv_done[l]) for h in range(n_heads) for p, n in pair_tiles]
