@@ -112,10 +112,12 @@ def choose_reduce(cfg: ModelConfig, tp: int, bucket: int) -> str:
     return "rsag" if rsag < oneshot else "oneshot"
 
 
-def _tiles(total: int, num_sms: int, multiple: int) -> list[tuple[int, int]]:
-    """Cut `total` rows into about num_sms tiles (sizes multiples of `multiple`, <= MAX_TILE_ROWS)."""
-    size = max(multiple, math.ceil(total / num_sms / multiple) * multiple)
-    size = min(size, max(multiple, MAX_TILE_ROWS // multiple * multiple))
+def _tiles(total: int, num_sms: int, multiple: int, size: int = 0) -> list[tuple[int, int]]:
+    """Cut `total` rows into (start, rows) tiles of `size` rows (the last may be shorter);
+    size 0: about num_sms tiles, sizes multiples of `multiple`, <= MAX_TILE_ROWS."""
+    if size == 0:
+        size = max(multiple, math.ceil(total / num_sms / multiple) * multiple)
+        size = min(size, max(multiple, MAX_TILE_ROWS // multiple * multiple))
     return [(r, min(size, total - r)) for r in range(0, total, size)]
 
 
@@ -190,8 +192,7 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         residual_stage(0)]
     # qkv tiles: (local head, rotary pair range); pairs cut so there are ~num_sms tiles.
     n_heads = hq + 2 * hkv
-    pair_tiles = (_tiles(D // 2, max(1, num_sms // n_heads), 1) if qkv_pairs == 0 else
-                  [(p, min(qkv_pairs, D // 2 - p)) for p in range(0, D // 2, qkv_pairs)])
+    pair_tiles = _tiles(D // 2, max(1, num_sms // n_heads), 1, size=qkv_pairs)
     for l in range(L):
         qkv = [Qkv(layer=l, row0=h, arg0=p, nrows=n, waits=[(ready[2 * l], nh)],
                    signal=qkv_done[l]) for h in range(n_heads) for p, n in pair_tiles]
