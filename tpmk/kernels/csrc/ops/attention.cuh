@@ -107,15 +107,16 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   const int ctx = pos[b] + 1, per = (ctx + S - 1) / S;
   const int t0 = min(ctx, split * per), t1 = min(ctx, t0 + per);
   const int nchunks = (t1 - t0 + CH - 1) / CH;
-  // Shared memory (f32 words after the reduction scratch): scaled queries, scores, softmax
-  // state, then the K/V chunk buffers [2 stages][K, V][CH rows of RB bytes]; after the last
-  // chunk the token phases' partial sums [Q][G * D] reuse the buffers.
+  // Shared memory (f32 words after the reduction scratch; megakernel.py smem_bytes sizes it):
+  // queries, scores, bf16 probabilities, softmax state, two chunks' page numbers, then the
+  // K/V chunk buffers [2 stages][K, V][CH rows of RB bytes]; after the last chunk the token
+  // phases' partial sums [Q][G * D] (tensor cores: [1][G * D]) reuse the buffers.
+  // Queries: on tensor cores bf16 rows [16][D + 8] (rows >= G zero), else q * scale in f32
+  // [G, D]. Probabilities: on tensor cores bf16 rows [16][ATTN_CHUNK + 8] (P.V's A operand),
+  // else f32 in the scores' place.
   const int RB = D * (int)sizeof(wtype) + 16;
-  // Tensor-core scores (bf16 steps of >= MMA_MIN_BATCH rows, G <= 16): q as bf16 rows
-  // [16][D + 8] (rows >= G zero); otherwise q * scale in f32 [G, D].
   float* qs = smem + NWARPS * BATCH_CHUNK;   // [max(G D, 8 (D + 8))] words
   float* sc = qs + max(G * D, 8 * (D + 8));  // [G, ATTN_CHUNK] scores, then probabilities
-  // Tensor-core P.V: probabilities as bf16 rows [16][ATTN_CHUNK + 8] (the A operand).
   __nv_bfloat16* pb = reinterpret_cast<__nv_bfloat16*>(sc + G * ATTN_CHUNK);
   float* st = sc + G * ATTN_CHUNK + 8 * (ATTN_CHUNK + 8);   // m[G], l[G], alpha[G]
   int* spg = reinterpret_cast<int*>(st + ((3 * G + 3) & ~3));   // [2][ATTN_PAGES] page numbers
@@ -223,13 +224,19 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
       mx = warp_max(mx);
       const float mold = st[h], mnew = fmaxf(mold, mx);
       float sum = 0.f;
-      for (int t = lane; t < cn; t += 32) {
-        const float p = expf(sc[h * ATTN_CHUNK + t] - mnew);
-        sc[h * ATTN_CHUNK + t] = p;
-        pb[h * (ATTN_CHUNK + 8) + t] = __float2bfloat16_rn(p);
-        sum += p;
+      if (attn_tc(batch, G, D)) {   // bf16 for the tensor cores, zeros to the k16 step's end
+        for (int t = lane; t < ((cn + 15) & ~15); t += 32) {
+          const float p = t < cn ? expf(sc[h * ATTN_CHUNK + t] - mnew) : 0.f;
+          pb[h * (ATTN_CHUNK + 8) + t] = __float2bfloat16_rn(p);
+          sum += p;
+        }
+      } else {
+        for (int t = lane; t < cn; t += 32) {
+          const float p = expf(sc[h * ATTN_CHUNK + t] - mnew);
+          sc[h * ATTN_CHUNK + t] = p;
+          sum += p;
+        }
       }
-      for (int t = cn + lane; t < ((cn + 15) & ~15); t += 32) pb[h * (ATTN_CHUNK + 8) + t] = __float2bfloat16_rn(0.f);
       sum = warp_sum(sum);
       __syncwarp();
       if (lane == 0) {
