@@ -2,7 +2,7 @@
 and its register spills (STL / LDL that nvdisasm marks SpillRefill) per source line.
 
 A spilled load stalls its consumer for the load's whole round trip: attention's per-thread
-K/V loads did, until they went through shared memory. tests/test_build.py keeps ops free of
+K/V loads did, until they went through shared memory. tests/test_sass.py keeps ops free of
 spills where they must be; this CLI shows where the others have theirs.
 
   python -m tpmk.kernels.sass                  # bf16 build: spills per file, then the top lines
