@@ -285,16 +285,20 @@ def _lockstep_topk(vm, prompts):
         yield pos, live, (*vm.topk(), vm.logits())
 
 
+@pytest.mark.parametrize("sms", [2, 3])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", ["tiny", "tiny-gqa"])
-def test_topk_matches_torch_sort_of_own_and_hf_logits(name, tp):
-    """Global top-TOPK (several tiles per rank, batch 3 then fewer rows) == the stable top-k of
-    the interpreter's own full logits (bit for bit) and of HF float32 logits (near-ties only)."""
+def test_topk_matches_torch_sort_of_own_and_hf_logits(name, tp, sms):
+    """Global top-TOPK (several tiles per rank, batch 3 then fewer rows; argmax tiles of one
+    row each on 3 SMs, of 2 and 1 rows on 2 SMs) == the stable top-k of the interpreter's own
+    full logits (bit for bit) and of HF float32 logits (near-ties only)."""
     cfg = ModelConfig.from_name(name)
     model, shards = shards_for(cfg, tp, seed=tp)
     kc, vc = empty_caches(cfg, tp, num_pages=24, page_size=PAGE)
-    vm = VM(cfg, build_schedule(cfg, tp, 3, 3), shards, kc, vc)
-    assert vm.sched.n_lm_tiles >= 3
+    vm = VM(cfg, build_schedule(cfg, tp, 3, sms), shards, kc, vc)
+    assert sorted((i.row0, i.nrows) for i in vm.sched.instructions if i.name == "argmax") == \
+        ([(0, 1), (1, 1), (2, 1)] if sms == 3 else [(0, 2), (2, 1)])
+    assert vm.sched.n_lm_tiles >= sms
     with torch.no_grad():
         hf = [model(torch.tensor([p])).logits[0] for p in PROMPTS]         # [len, vocab] each
     for pos, live, (values, ids, logits) in _lockstep_topk(vm, PROMPTS):

@@ -50,6 +50,14 @@ def test_waits_point_backwards_and_queues_are_in_stage_order(name, tp, bucket, s
     assert len(s.stage_names) == 2 + 7 * ModelConfig.from_name(name).num_hidden_layers + 2
 
 
+@pytest.mark.parametrize("name,tp,bucket,sms", CASES)
+def test_argmax_tiles_cover_each_row_of_the_bucket_once(name, tp, bucket, sms):
+    s = build_schedule(ModelConfig.from_name(name), tp, bucket, sms)
+    rows = [r for i in s.instructions if i.name == "argmax" for r in range(i.row0, i.row0 + i.nrows)]
+    assert sorted(rows) == list(range(bucket))
+    assert len({i.tile for i in s.instructions if i.name == "argmax"}) == min(bucket, sms)
+
+
 def test_queues_are_balanced():
     s = build_schedule(ModelConfig.from_name("llama-3-70b"), 8, 1, 132)
     lens = [len(s.queue(i)) for i in range(s.num_sms)]

@@ -15,7 +15,7 @@ Counters (per rank, `Schedule.counter_names` for error messages):
                 takes one; the split drawing a multiple of num_splits is the last of the step
                 and merges the group's splits into attn_out. Nothing waits on a ticket.
   lm            LM-head candidates arrived from every rank (count tp * n_lm_tiles)
-  done          argmax finished (count 1)
+  done          argmax tiles finished (count: their number; rows of the bucket cut over the SMs)
 Stage s = 0 is the embedding, 2l+1 the attention residual of layer l, 2l+2 its MLP.
 """
 from __future__ import annotations
@@ -215,7 +215,9 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         stages += [qkv, attn, o, residual_stage(2 * l + 1), gu, dn, residual_stage(2 * l + 2)]
     stages.append([LmHead(tile=t, row0=r, nrows=n, waits=[(ready[2 * L], nh)], signal=lm,
                           signal_peers=True) for t, (r, n) in enumerate(lm_tiles)])
-    stages.append([Argmax(waits=[(lm, tp * len(lm_tiles))], signal=done)])
+    # One SM merging every row's candidates took 0.92 ms of a batch-128 step (H200, 2026-12-04).
+    stages.append([Argmax(tile=t, row0=r, nrows=n, waits=[(lm, tp * len(lm_tiles))], signal=done)
+                   for t, (r, n) in enumerate(_tiles(bucket, num_sms, 1))])
 
     # Round-robin each stage over the SMs, continuing where the last stage stopped.
     queues: list[list[Instruction]] = [[] for _ in range(num_sms)]

@@ -1,30 +1,31 @@
-// argmax: must match tpmk/kernels/ops/argmax.py (Argmax). Row b's global top-TOPK from
+// argmax: must match tpmk/kernels/ops/argmax.py (Argmax). Rows [ROW0, ROW0 + NROWS) below the
+// step's batch: row b's global top-TOPK from
 // every rank's tile candidates (cand: isa.cand_shape, each tile's list sorted) ->
 // topk_values/topk_ids[b], value desc then id asc (mk_topk.cuh: a total order, so the
 // split of the work below does not change the result); tokens_out[b] = its first id,
 // the lowest id of the maximum, as torch.argmax.
-// Work split: W warps per row (a power of two, all 16 at batch 1, one at batch >= 16);
+// Work split: W warps per row (a power of two, all 16 for one row, one for >= 16 rows);
 // each thread keeps the best TOPK of its tiles, each warp merges its lanes' lists, then
 // the row's first warp merges the W warp lists through shared memory.
 #pragma once
 #include "mk_topk.cuh"
 
 __device__ __noinline__ void op_argmax(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  const int batch = hdr[isa::H_BATCH], nc = a.tp * a.n_lm_tiles;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r0 = ins[isa::F_ROW0], r1 = min(r0 + ins[isa::F_NROWS], hdr[isa::H_BATCH]);
+  const int nc = a.tp * a.n_lm_tiles, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int wpr = NWARPS;
-  while (wpr > 1 && wpr * batch > NWARPS) wpr >>= 1;
+  while (wpr > 1 && wpr * (r1 - r0) > NWARPS) wpr >>= 1;
   const int rows_per_pass = NWARPS / wpr, tw = warp % wpr;
   const float* cand = reinterpret_cast<const float*>(a.peer_cand[a.rank]);
   float* lists = smem;   // [NWARPS][TOPK] x (value, id bits): host sizes smem >= 2 * NWARPS * TOPK
   float* values = reinterpret_cast<float*>(a.topk_values);
   int* ids = reinterpret_cast<int*>(a.topk_ids);
   int* out = reinterpret_cast<int*>(a.tokens_out);
-  for (int b0 = 0; b0 < batch; b0 += rows_per_pass) {
+  for (int b0 = r0; b0 < r1; b0 += rows_per_pass) {
     const int b = b0 + warp / wpr;
     TopK t;
     topk_init(t);
-    if (b < batch) {
+    if (b < r1) {
       for (int c = tw * 32 + lane; c < nc; c += wpr * 32) {
         const float4* p = reinterpret_cast<const float4*>(cand + ((size_t)c * a.bucket + b) * isa::TOPK * 2);
         float4 q[isa::TOPK / 2];
@@ -59,7 +60,7 @@ __device__ __noinline__ void op_argmax(const KernelArgs& a, const int* ins, cons
       }
       __syncthreads();   // lists are rewritten by the next pass
     }
-    if (tw == 0 && b < batch && lane < isa::TOPK) {
+    if (tw == 0 && b < r1 && lane < isa::TOPK) {
       values[b * isa::TOPK + lane] = v;
       ids[b * isa::TOPK + lane] = id;
       if (lane == 0) out[b] = id;
