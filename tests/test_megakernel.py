@@ -331,17 +331,6 @@ def test_unsupported_shapes_are_refused_before_the_device(change, splits, messag
         Megakernel(cfg, sched, shards, kc, vc)
 
 
-def test_bf16_needs_k_in_whole_k16_steps():
-    """The tensor-core matvec reads K in k16 steps: intermediate/tp = 200 runs in f32 but is
-    refused in bf16, naming the value."""
-    from tpmk.kernels.megakernel import check_shapes
-    cfg = ModelConfig.from_name("tiny").replace(intermediate_size=400)
-    sched = build_schedule(cfg, 2, 4, 4)
-    check_shapes(cfg, sched, torch.float32)
-    with pytest.raises(ValueError, match="intermediate/tp=200 must be a multiple of 16"):
-        check_shapes(cfg, sched, torch.bfloat16)
-
-
 def test_llama_70b_rank_fits_the_h200_shared_memory():
     """The benchmark's shape (one Llama-3-70B tp=8 rank, bucket 128, 132 SMs) passes the
     checks; its shared memory is what the tensor-core matvec needs (isa.MMA_SMEM_WORDS) plus

@@ -21,7 +21,7 @@ SNIPPET = '''
 # Inner-loop lines, found by their text (a rewrite that drops one fails the test).
 HOT_LINES = {
     "mk_common.cuh": ["u[i][j] = k < m.kend ? __ldg(", "acc[j][b] += f[e] * xv[e]"],   # CUDA-core matvec
-    "mk_mma.cuh": ["ldsm_x4(a0, a1, a2, a3, w + ", "asm(\"mma.sync.aligned", "ldsm_x4(q0, q1, q2, q3, x + "],   # tensor cores (bf16)
+    "mk_mma.cuh": ["const uint4 bx = ", "asm(\"mma.sync.aligned", "ua[u] = ok ? ldg_w("],   # tensor cores (bf16)
 }
 
 

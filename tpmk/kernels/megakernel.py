@@ -83,12 +83,9 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple
     isa.check_vocab(cfg.vocab_size)
     hq, hkv = local_heads(cfg, sched.tp)
     D, H, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size // sched.tp
-    # bf16: the tensor-core matvec's k16 steps (mk_mma.cuh); f32: 16-byte loads of 4 elements
-    mult = 16 if dtype == torch.bfloat16 else 8
     for name, k in (("hidden_size", H), ("q_heads*head_dim", hq * D), ("intermediate/tp", inter)):
-        if k % mult:
-            raise ValueError(f"{name}={k} must be a multiple of {mult} for the {dtype} megakernel "
-                             f"(its matvecs read K in steps of {mult}); pick a tp that makes it so")
+        if k % 8:
+            raise ValueError(f"{name}={k} must be a multiple of 8 for 16-byte loads")
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim={D} is not supported by the megakernel's attention; "
                          f"supported: {HEAD_DIMS} (every Llama model uses 64 or 128)")

@@ -21,7 +21,11 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   float* red = smem;
   float* base = smem + NWARPS * BATCH_CHUNK;
 #ifdef MK_HAS_MMA
-  if (mma_batch(batch)) return matvec_mma(a, K, b0, nb, nrows, src, row, base);
+  if (mma_batch(batch)) {
+    float* outs = base + MMA_OUT_AT;
+    matvec_mma(a, K, b0, nb, nrows, src, row, outs, base);
+    return outs;
+  }
 #endif
   float* xs = base;
   float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb][nrows]

@@ -1,10 +1,8 @@
 // Tensor-core matvec for batched decode: every weight tile is streamed ONCE per pass of
 // up to MMA_PASS batch rows (mma.sync m16n8k16, bf16 in, f32 accumulate).
-// Weights (the A operand) and activations (B) go through a ring of K chunks in shared memory,
-// filled by cp.async (no registers held, several chunks in flight), read by ldmatrix.
-// (Before: weights straight from global memory into registers, one group of k blocks ahead:
-// at 128 registers per thread beside 64 accumulators that kept ~32 KB in flight per SM,
-// ~12 GB/s of weights per SM at batch 128 on an H200; MK_MMA_REGS builds that path.)
+// Weights are the A operand, straight from global memory with 16-byte loads; the k order
+// inside each 32-wide k block is permuted (lane t loads k = 8t..8t+7 of its rows, which
+// covers two k16 steps) and the B operand (activations, smem) uses the same permutation.
 // Activations are bf16, as in the reference engine's cuBLAS matmuls: their producers
 // (residual: times the next RMSNorm's weight; attention merge; gate_up) write them rounded
 // to bf16 (XSrc.bf), and they are copied into shared memory as they are (cp.async, no
@@ -17,8 +15,21 @@
 
 #ifdef MK_HAS_MMA
 
-constexpr int MMA_PASS = isa::MMA_PASS;         // batch rows per pass (MMA_PASS / 8 n-tiles)
-constexpr int MMA_OUT_WORDS = MMA_PASS * 128;   // staged outputs [nb][nrows], at most
+// Tuning knob (off by default, bench/tune_sweep.sh): each m-tile's 16 weight rows are asked
+// into L2 MK_MMA_L2_AHEAD chunks ahead of their loads (cp.async.bulk.prefetch.L2 by lanes
+// t = 0 of the m-tile's first K-part warp; no registers held), so the register-bound loads
+// find them in L2.
+#ifndef MK_MMA_L2_AHEAD
+#define MK_MMA_L2_AHEAD 0
+#endif
+constexpr int MMA_PASS = isa::MMA_PASS;              // batch rows per pass (MMA_PASS / 8 n-tiles)
+constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC = MMA_KC1 / NT
+constexpr int MMA_PIECES = MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
+// One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
+constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
+constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrows]
+constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
+static_assert(MMA_OUT_AT + MMA_OUT_WORDS == isa::MMA_SMEM_WORDS, "isa.MMA_SMEM_WORDS (the host's size) drifted");
 
 // 16 bytes of a weight row: read-only, not kept in L1, and (unless MK_NO_L2_256B) a 256-byte
 // L2 fetch: a warp reads each of its 16 rows in 64-byte pieces, one per k block, and the K-part
@@ -55,174 +66,6 @@ __device__ __forceinline__ int mma_pass_rows(int nrows) {
   return max(8, min(MMA_PASS, (MMA_OUT_WORDS / max(nrows, 1)) & ~7));
 }
 
-// mma.sync fragments from shared memory (ldmatrix, not transposed): lane l gives the address
-// of row l % 8 of matrix l / 8; register i holds matrix i's fragment.
-__device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"((unsigned)__cvta_generic_to_shared(p)));
-}
-
-// cp.async.wait_group with a run-time count (the PTX needs an immediate).
-__device__ __forceinline__ void cp_async_wait(int pending) {
-  switch (pending) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
-  }
-}
-
-#ifndef MK_MMA_REGS
-constexpr int MMA_KC = 64;          // K chunk: 4 k16 steps; a row's chunk is 128 bytes
-constexpr int MMA_RS = MMA_KC + 8;  // smem row stride (elements): 144 bytes, so the 8 rows of an
-                                    // ldmatrix phase hit 8 different 16-byte bank groups
-constexpr int MMA_MAX_STAGES = 8;
-
-// 16 bytes of a weight row, global -> shared (through L2, with a 256-byte L2 fetch: the next
-// chunk's 128 bytes of the row come with it).
-__device__ __forceinline__ void cp_async16_w(void* dst, const void* src) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-
-// outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when
-// src.nw); returns outs (the end of the shared-memory area; the caller may read it until its
-// next __syncthreads()). K % 16 == 0 (host-checked).
-// Passes of up to NWARPS m-tiles (16 weight rows each). Each K chunk of the pass's weight rows
-// and of the nb input rows is one stage of a ring of S stages (as many as fit, S - 1 chunks in
-// flight), one barrier per chunk. Warps take (m-tile, n-tile group, K part): the K parts
-// split each chunk's k16 steps and are summed in fixed order, as are the RMSNorm partials.
-// Rows past nrows and nb are not copied: their stale products only reach discarded outputs.
-template <int NT>
-__device__ __noinline__ float* matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
-                                             const RowMap& row, float* sm) {
-  constexpr int NB = NT * 8;
-  float* ss = sm;   // [NB] sums of squares of the rows (with src.nw)
-  float* outs = sm + isa::MMA_SMEM_WORDS - ((nb * nrows + 3) & ~3);
-  __nv_bfloat16* ring = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);
-  const int ring_elems = (int)(outs - (sm + MMA_PASS)) * 2;
-  float* part = sm + MMA_PASS;   // [mcount][ks][NT][4][32] after the K loop, over the ring
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int mtiles = (nrows + 15) / 16, nchunks = (K + MMA_KC - 1) / MMA_KC;
-  if (src.nw) {   // row b's sum of squares: its residual tiles' partials in fixed order; a warp's
-    // rows b = warp + r NWARPS load together (one round trip per 32 partials)
-    constexpr int R = (NB + NWARPS - 1) / NWARPS;
-    float s2[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) s2[r] = 0.f;
-    for (int j = lane; j < src.nss; j += 32)
-#pragma unroll
-      for (int r = 0; r < R; r++)
-        if (warp + r * NWARPS < nb) s2[r] += ld_act(src.ssq + (size_t)(b0 + warp + r * NWARPS) * src.nss + j);
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-      const float t = warp_sum(s2[r]);
-      if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
-    }
-  }
-  for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
-    const int mcount = min(NWARPS, mtiles - mt0), mrows = min(16 * mcount, nrows - 16 * mt0);
-    const int mp = 16 * mcount, stage_elems = (mp + NB) * MMA_RS;
-    const int S = min(MMA_MAX_STAGES, ring_elems / stage_elems);   // >= 2 (static_assert below)
-    // Warp roles: ks K parts (k16 steps of a chunk), ng groups of ntw n-tiles, mcount m-tiles.
-    const int ks = max(1, min(MMA_KC / 16, NWARPS / mcount));
-    int ng = 1;
-    while (ng * 2 <= NT && ng * 2 * mcount * ks <= NWARPS) ng *= 2;
-    const int ntw = NT / ng, mt = warp / (ks * ng), ngi = warp % (ks * ng) / ks, kp = warp % ks;
-    const bool active = mt < mcount;
-    // Chunk c -> stage c % S: 8 threads per 128-byte row piece; weight rows, then input rows.
-    auto issue = [&](int c) {
-      if (c < nchunks) {
-        const int k0 = c * MMA_KC;
-        __nv_bfloat16* st = ring + c % S * stage_elems;
-        for (int i = threadIdx.x; i < (mrows + nb) * (MMA_KC / 8); i += NTHREADS) {
-          const int r = i >> 3, k = k0 + (i & 7) * 8;
-          if (k >= K) continue;
-          if (r < mrows) cp_async16_w(st + r * MMA_RS + (i & 7) * 8, row(16 * mt0 + r) + k);
-          else cp_async16(st + (mp + r - mrows) * MMA_RS + (i & 7) * 8, src.bf + (size_t)(b0 + r - mrows) * src.ldx + k);
-        }
-      }
-      cp_async_commit();   // one group per chunk, empty past the end
-    };
-    float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
-    for (int c = 0; c < S - 1; c++) issue(c);
-    for (int c = 0; c < nchunks; c++) {
-      cp_async_wait(S - 2);   // this thread's copies of chunk c
-      __syncthreads();        // everyone's; and chunk c - 1's stage is no longer read
-      issue(c + S - 1);
-      if (!active) continue;
-      const __nv_bfloat16* w = ring + c % S * stage_elems;
-      const __nv_bfloat16* x = w + mp * MMA_RS;
-      const int nsteps = min(MMA_KC, K - c * MMA_KC) / 16;
-      for (int j = kp; j < nsteps; j += ks) {
-        unsigned a0, a1, a2, a3;
-        ldsm_x4(a0, a1, a2, a3, w + (mt * 16 + (lane & 7) + (lane >> 3 & 1) * 8) * MMA_RS + j * 16 + (lane >> 4) * 8);
-#pragma unroll
-        for (int n = 0; n < NT; n += 2) {
-          if (n >= ntw) break;
-          const int nt = ngi * ntw + n, nt2 = ntw > 1 ? nt + 1 : nt;
-          unsigned q0, q1, q2, q3;   // n-tiles nt, nt2: (k 0..7, k 8..15) each
-          ldsm_x4(q0, q1, q2, q3, x + (((lane >> 4) ? nt2 : nt) * 8 + (lane & 7)) * MMA_RS + j * 16 + (lane >> 3 & 1) * 8);
-          mma_bf16(acc[n], a0, a1, a2, a3, q0, q1);
-          if (n + 1 < ntw) mma_bf16(acc[n + 1], a0, a1, a2, a3, q2, q3);
-        }
-      }
-    }
-    cp_async_wait(0);   // the empty groups past the end
-    __syncthreads();    // the ring is no longer read
-    if (active)
-#pragma unroll
-      for (int n = 0; n < NT; n++)
-        if (n < ntw)
-#pragma unroll
-          for (int i = 0; i < 4; i++) part[(((mt * ks + kp) * NT + ngi * ntw + n) * 4 + i) * 32 + lane] = acc[n][i];
-    __syncthreads();
-    // C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols), so lane
-    // ln's acc[n][i] is row 8 (i / 2) + ln / 4 of the m-tile, batch row 8 n + 2 (ln % 4) + i % 2.
-    // Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
-    // conflicts) and its stores to outs hit 8 banks.
-    for (int idx = threadIdx.x; idx < mcount * NT * 128; idx += NTHREADS) {
-      const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);
-      const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (mt0 + m) * 16 + r16;
-      if (r >= nrows || b >= nb) continue;
-      float v = 0.f;
-      for (int p = 0; p < ks; p++) v += part[(((m * ks + p) * NT + n) * 4 + i) * 32 + ln];
-      if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
-      outs[b * nrows + r] = v;
-    }
-    __syncthreads();   // part is read; the next m-tile pass refills the ring under it
-  }
-  return outs;
-}
-// The ring holds at least two stages of the largest pass (16 m-tiles, nb = mma_pass_rows(512)),
-// and the split-K partials fit in it.
-static_assert(isa::MMA_SMEM_WORDS - MMA_PASS - MMA_OUT_WORDS >= 2 * (256 + MMA_PASS) * MMA_RS / 2,
-              "the tensor-core ring holds two stages");
-static_assert(isa::MMA_SMEM_WORDS - MMA_PASS - MMA_OUT_WORDS >= NWARPS * MMA_PASS / 8 * 128,
-              "the split-K partials fit in the ring");
-#else  // MK_MMA_REGS: the register path (A/B)
-// Tuning knob (off by default, bench/tune_sweep.sh): each m-tile's 16 weight rows are asked
-// into L2 MK_MMA_L2_AHEAD chunks ahead of their loads (cp.async.bulk.prefetch.L2 by lanes
-// t = 0 of the m-tile's first K-part warp; no registers held), so the register-bound loads
-// find them in L2.
-#ifndef MK_MMA_L2_AHEAD
-#define MK_MMA_L2_AHEAD 0
-#endif
-constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC = MMA_KC1 / NT
-constexpr int MMA_PIECES = MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
-// One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
-constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
-constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
-static_assert(MMA_OUT_AT + MMA_OUT_WORDS == isa::MMA_SMEM_WORDS, "isa.MMA_SMEM_WORDS (the host's size) drifted");
-
 // Columns [kc0, kc0 + KC) of input rows b0.. -> xd ([NB][XS]), 16 bytes per cp.async (L2 ->
 // smem), committed as one group. A thread copies column kk = tid % R8 * 8 of rows
 // row0 + i * RS (row0 = tid / R8, RS = NTHREADS / R8, i < 8): `src` is its first one
@@ -250,9 +93,8 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
 // boundaries (weights never wait for activations), and the next chunk's inputs are in flight
 // (cp.async into the other buffer) while this chunk's MMAs run: one barrier per chunk.
 template <int NT>
-__device__ __noinline__ float* matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
-                                             const RowMap& row, float* sm) {
-  float* outs = sm + MMA_OUT_AT;
+__device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
+                                           const RowMap& row, float* outs, float* sm) {
   constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? 2 : 4;
   static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
@@ -373,18 +215,15 @@ __device__ __noinline__ float* matvec_mma_nt(const KernelArgs& a, int K, int b0,
     }
     __syncthreads();   // part is read; the next m-tile pass refills the buffers under it
   }
-  return outs;
 }
 
-#endif  // MK_MMA_REGS
-
 static_assert(MMA_PASS % 8 == 0 && MMA_PASS <= 128, "matvec_mma dispatches up to 16 n-tiles");
-__device__ float* matvec_mma(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
-                             const RowMap& row, float* sm) {
-  if (nb <= 8) return matvec_mma_nt<1>(a, K, b0, nb, nrows, src, row, sm);
-  if (nb <= 16) return matvec_mma_nt<2>(a, K, b0, nb, nrows, src, row, sm);
-  if (nb <= 32) return matvec_mma_nt<4>(a, K, b0, nb, nrows, src, row, sm);
-  if (nb <= 64) return matvec_mma_nt<8>(a, K, b0, nb, nrows, src, row, sm);
-  return matvec_mma_nt<16>(a, K, b0, nb, nrows, src, row, sm);
+__device__ void matvec_mma(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
+                           const RowMap& row, float* outs, float* sm) {
+  if (nb <= 8) matvec_mma_nt<1>(a, K, b0, nb, nrows, src, row, outs, sm);
+  else if (nb <= 16) matvec_mma_nt<2>(a, K, b0, nb, nrows, src, row, outs, sm);
+  else if (nb <= 32) matvec_mma_nt<4>(a, K, b0, nb, nrows, src, row, outs, sm);
+  else if (nb <= 64) matvec_mma_nt<8>(a, K, b0, nb, nrows, src, row, outs, sm);
+  else matvec_mma_nt<16>(a, K, b0, nb, nrows, src, row, outs, sm);
 }
 #endif  // MK_HAS_MMA
