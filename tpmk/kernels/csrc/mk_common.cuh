@@ -333,13 +333,8 @@ __device__ __forceinline__ void mv_fma(const float* xs, int K, int k, const uint
 
 #ifndef MK_MV_U1
 #define MK_MV_U1 4   // 16-byte loads per row in flight per lane at batch 1 (8 measured slower;
-#endif               // 5 and more spill at 128 registers)
-// Tuning knob (off by default, bench/tune_sweep.sh): lanes 0..MV_ROWS-1 ask L2 for their
-// row's span MK_MV_L2_AHEAD loop trips ahead (cp.async.bulk.prefetch.L2, no registers held):
-// the loads in flight per warp are bounded by registers (MV_ROWS * U of 16 bytes per lane).
-#ifndef MK_MV_L2_AHEAD
-#define MK_MV_L2_AHEAD 0
-#endif
+#endif               // 5 and more spill at 128 registers; asking L2 for each row 1 or 2 loop
+                     // trips ahead: 12.71 / 13.47 vs 12.40 ms, H200, 2026-12-04)
 template <int NB, typename RowFn, typename OutFn>
 __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
   constexpr int U = NB == 1 ? MK_MV_U1 : 2, STEP = 32 * VEC;
@@ -356,16 +351,6 @@ __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn ou
 #pragma unroll
       for (int b = 0; b < NB; b++) acc[j][b] = 0.f;
     for (int k0 = m.kbeg + lane * VEC; k0 < m.kend; k0 += STEP * U) {
-      if (MK_MV_L2_AHEAD > 0 && lane < MV_ROWS) {
-        const int ka = k0 - lane * VEC + MK_MV_L2_AHEAD * STEP * U;   // a trip's first column, ahead
-        const wtype* w = wr[0];
-#pragma unroll
-        for (int j = 1; j < MV_ROWS; j++) w = lane == j ? wr[j] : w;   // no dynamic register index
-        if (ka < m.kend) {
-          const unsigned bytes = (unsigned)min(STEP * U, m.kend - ka) * sizeof(wtype);
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + ka), "r"(bytes) : "memory");
-        }
-      }
       uint4 u[U][MV_ROWS];
 #pragma unroll
       for (int i = 0; i < U; i++) {

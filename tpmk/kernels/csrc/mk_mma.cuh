@@ -15,13 +15,6 @@
 
 #ifdef MK_HAS_MMA
 
-// Tuning knob (off by default, bench/tune_sweep.sh): each m-tile's 16 weight rows are asked
-// into L2 MK_MMA_L2_AHEAD chunks ahead of their loads (cp.async.bulk.prefetch.L2 by lanes
-// t = 0 of the m-tile's first K-part warp; no registers held), so the register-bound loads
-// find them in L2.
-#ifndef MK_MMA_L2_AHEAD
-#define MK_MMA_L2_AHEAD 0
-#endif
 constexpr int MMA_PASS = isa::MMA_PASS;              // batch rows per pass (MMA_PASS / 8 n-tiles)
 constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC = MMA_KC1 / NT
 constexpr int MMA_PIECES = MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
@@ -31,18 +24,16 @@ constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrow
 constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
 static_assert(MMA_OUT_AT + MMA_OUT_WORDS == isa::MMA_SMEM_WORDS, "isa.MMA_SMEM_WORDS (the host's size) drifted");
 
-// 16 bytes of a weight row: read-only, not kept in L1, and (unless MK_NO_L2_256B) a 256-byte
+// 16 bytes of a weight row: read-only, not kept in L1, and a 256-byte
 // L2 fetch: a warp reads each of its 16 rows in 64-byte pieces, one per k block, and the K-part
-// warps interleave their k blocks, so ks = 4 warps together cover each 256-byte span.
+// warps interleave their k blocks, so ks = 4 warps together cover each 256-byte span
+// (batch 8 / 32 / 128 at 12.76 / 17.86 / 37.53 ms vs 13.86 / 19.01 / 39.28 without, H200,
+// 2026-12-04; asking L2 for each m-tile's rows 1 or 2 chunks ahead was slower: 14.06 / 18.44 /
+// 41.16 and 14.22 / 18.99 / 39.68).
 __device__ __forceinline__ uint4 ldg_w(const wtype* p) {
   uint4 v;
-#ifdef MK_NO_L2_256B
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#else
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#endif
   return v;
 }
 
@@ -132,17 +123,6 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
       for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
     uint4 ca[U], cb[U];
-    // Chunk c's 16 weight rows of this m-tile -> L2 (MK_MMA_L2_AHEAD > 0 only).
-    auto l2_ahead = [&](int c) {
-      const int kn = c * KC;
-      if (MK_MMA_L2_AHEAD > 0 && active && kp == 0 && t == 0 && kn < K) {
-        const unsigned bytes = (unsigned)min(KC, K - kn) * sizeof(wtype);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wa + kn), "r"(bytes) : "memory");
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wb + kn), "r"(bytes) : "memory");
-      }
-    };
-#pragma unroll
-    for (int c = 1; c < MK_MMA_L2_AHEAD; c++) l2_ahead(c);
     load_group(0, ca, cb);
     mma_stage<NT>(xsrc, src.ldx, nb - row0, kk < K, src.bf, xdst);
     if (src.nw && mt0 == 0) {   // row b's sum of squares: its residual tiles' partials in fixed
@@ -168,7 +148,6 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       if (c + 1 < nchunks)
         mma_stage<NT>(xsrc + kc0 + KC, src.ldx, nb - row0, kc0 + KC + kk < K, src.bf,
                       xdst + (c + 1) % 2 * NB * XS);
-      if (MK_MMA_L2_AHEAD > 0) l2_ahead(c + MK_MMA_L2_AHEAD);
       const __nv_bfloat16* xc = xbuf + c % 2 * NB * XS;
       for (int gc = 0; gc < groups; gc++) {
         uint4 na[U], nb2[U];
