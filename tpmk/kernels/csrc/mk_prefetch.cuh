@@ -6,8 +6,12 @@
 #pragma once
 #include "mk_common.cuh"
 
+// Bytes per instruction. More was slower: batch 1 / 32 / 128 at ctx 1024 took 11.46 / 16.41 /
+// 34.86 ms with 96 KB, 11.69 / 16.73 / 35.97 with 128 KB, and 12.08 / 17.56 / 36.54 with
+// 192 KB plus the next instruction's 192 KB (the previous default); 64 KB: 11.28 / 16.46 /
+// 35.16, but batch 128 at ctx 4096 49.60 vs 46.63 (H200, 2026-12-04, bench/tune_sweep.sh).
 #ifndef PREFETCH_CAP
-#define PREFETCH_CAP (192 * 1024)   // bytes per instruction (132 SMs: ~25 MB of L2)
+#define PREFETCH_CAP (96 * 1024)
 #endif
 constexpr unsigned long long prefetch_cap = PREFETCH_CAP;
 
