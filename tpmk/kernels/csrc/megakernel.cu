@@ -53,7 +53,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     // The start of this instruction's weights into L2 while this SM waits on its counters
     // (mk_prefetch.cuh; the next instruction's too was slower).
     if (threadIdx.x == 0) {
-      prefetch_instruction(a, ins, hdr);
+      prefetch_instruction(a, ins);
       go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
       if (prof) prof[2 * i] = globaltimer();
     }
