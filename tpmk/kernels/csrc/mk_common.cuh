@@ -164,7 +164,7 @@ __device__ __forceinline__ unsigned bf2_bits(__nv_bfloat162 h) { return *reinter
 
 // 16 bytes global -> shared by cp.async (through L2, no registers): src_bytes of them from
 // src, the rest zero-filled (src must still be a valid address). Completes at
-// cp.async.wait_all / wait_group after cp_async_commit(); a barrier then publishes it.
+// cp_async_wait_all / cp_async_wait<N> after cp_async_commit(); a barrier then publishes it.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes = 16) {
   const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
@@ -175,6 +175,10 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// This thread's committed groups: all complete, or all but the newest N.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // bf[off..off + 4) = v rounded to bf16 (nearest even).
 __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, float4 v) {

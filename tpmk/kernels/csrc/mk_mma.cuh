@@ -143,7 +143,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     }
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
-      asm volatile("cp.async.wait_all;" ::: "memory");   // this thread's copies of chunk c
+      cp_async_wait_all();   // this thread's copies of chunk c
       __syncthreads();   // everyone's copies of chunk c landed; chunk c - 1's buffer is no longer read
       if (c + 1 < nchunks)
         mma_stage<NT>(xsrc + kc0 + KC, src.ldx, nb - row0, kc0 + KC + kk < K, src.bf,

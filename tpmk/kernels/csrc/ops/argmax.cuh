@@ -1,9 +1,8 @@
 // argmax: must match tpmk/kernels/ops/argmax.py (Argmax). Rows [ROW0, ROW0 + NROWS) below the
-// step's batch: row b's global top-TOPK from
-// every rank's tile candidates (cand: isa.cand_shape, each tile's list sorted) ->
-// topk_values/topk_ids[b], value desc then id asc (mk_topk.cuh: a total order, so the
-// split of the work below does not change the result); tokens_out[b] = its first id,
-// the lowest id of the maximum, as torch.argmax.
+// step's batch: row b's global top-TOPK from every rank's tile candidates (cand:
+// isa.cand_shape, each tile's list sorted) -> topk_values/topk_ids[b], value desc then id asc
+// (mk_topk.cuh: a total order, so the split of the work below does not change the result);
+// tokens_out[b] = its first id, the lowest id of the maximum, as torch.argmax.
 // Work split: W warps per row (a power of two, all 16 for one row, one for >= 16 rows);
 // each thread keeps the best TOPK of its tiles, each warp merges its lanes' lists, then
 // the row's first warp merges the W warp lists through shared memory.

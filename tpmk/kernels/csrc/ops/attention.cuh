@@ -152,7 +152,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   };
   if (nchunks > 0) {   // chunk 0's page numbers, then its K/V
     copy_pages(0);
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    cp_async_wait_all();
     __syncthreads();
     issue(0);
   }
@@ -177,7 +177,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   for (int e = 0; e < 8; e++) av[e] = 0.f;
   for (int c = 0; c < nchunks; c++) {
     const int c0 = t0 + c * CH, cn = min(CH, t1 - c0);
-    asm volatile("cp.async.wait_all;" ::: "memory");   // this thread's copies of chunk c
+    cp_async_wait_all();   // this thread's copies of chunk c
     __syncthreads();   // everyone's copies landed; chunk c - 1's buffers and probabilities are read
     if (c + 1 < nchunks) issue(c + 1);                   // in flight during this chunk
     const char* kc = kvs + (size_t)(c % 2) * 2 * CH * RB;

@@ -76,7 +76,7 @@ __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, co
     stage(0);
     for (int pass = 0; pass * rp < batch; pass++) {
       stage(pass + 1);
-      asm volatile("cp.async.wait_group 1;" ::: "memory");   // this thread's copies of this pass
+      cp_async_wait<1>();   // this thread's copies of this pass
       __syncthreads();
       const int pb = pass * rp, pe = min(batch, pb + rp);
       const float* buf = smem + (pass & 1) * rp * rw;
@@ -100,6 +100,6 @@ __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, co
       }
       __syncthreads();   // this pass's buffer is read; stage(pass + 2) refills it
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");   // the last (empty) group
+    cp_async_wait_all();   // the last (empty) group
   }
 }
