@@ -2,8 +2,9 @@
 // The grid holds `num_local_ranks * sms_per_rank` CTAs: CTA i runs queue
 // (i % sms_per_rank) of rank (i / sms_per_rank) with that rank's KernelArgs
 // (virtual TP: several ranks in one launch on one GPU; one process per GPU: 1 rank).
-// Per CTA: fetch instruction i + 2 into a 3-slot ring, ask L2 for the start of instruction
-// i's weights (weights never depend on activations: they flow while this SM waits), wait on
+// Per CTA: fetch instruction i + 2 into a 3-slot ring, start instruction i's weights
+// (weights never depend on activations: they flow while this SM waits): into the shared-memory
+// stream at batch <= BATCH_CHUNK (mk_stream.cuh), else the start into L2; wait on
 // instruction i's counters, run the op, signal.
 // Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
 #include "mk_common.cuh"
@@ -50,11 +51,17 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
     if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
     if (!runs_here(a, ins)) continue;   // an all-gather tile another rank owns
-    // The start of this instruction's weights into L2 while this SM waits on its counters
-    // (mk_prefetch.cuh; the next instruction's too was slower).
+    // This instruction's weights start flowing while this SM waits on its counters
+    // (mk_stream.cuh, mk_prefetch.cuh; the next instruction's too was slower).
     if (threadIdx.x == 0) {
-      prefetch_instruction(a, ins);
+      Tile t;
+      const bool linear_op = linear_tile(a, ins, t);
+      if (!(linear_op && stream_begin(a, t, hdr[isa::H_BATCH], smem))) {
+        stream_plan().active = 0;
+        if (linear_op) prefetch_l2_tile(t);
+      }
       go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
+      if (!go) stream_drain();
       if (prof) prof[2 * i] = globaltimer();
     }
     __syncthreads();
