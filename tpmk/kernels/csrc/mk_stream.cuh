@@ -16,7 +16,10 @@
 #include "mk_common.cuh"
 
 constexpr int STREAM_SLOTS = 16;               // most ring stages
-constexpr unsigned STREAM_STAGE = 16 * 1024;   // bytes per stage (whole rows; one row if larger)
+#ifndef MK_STREAM_STAGE
+#define MK_STREAM_STAGE (16 * 1024)
+#endif
+constexpr unsigned STREAM_STAGE = MK_STREAM_STAGE;   // bytes per stage (whole rows; one row if larger)
 constexpr int STREAM_SEG = 32 * VEC;           // elements per warp-wide sweep of 16-byte loads
 
 // Shared-memory layout of a streamed linear() (f32 words after linear()'s `red`):
@@ -56,6 +59,13 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
 }
 
 __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
+#ifdef MK_STREAM_TESTWAIT
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      "W: mbarrier.test_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra W;\n}" ::"r"(smem_addr(b)), "r"(parity) : "memory");
+  return;
+#endif
   asm volatile(
       "{\n .reg .pred p;\n"
       "W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
@@ -98,6 +108,9 @@ __device__ __forceinline__ int stream_kpad(int K) { return (K + STREAM_SEG - 1) 
 __device__ bool stream_begin(const KernelArgs& a, const Tile& t, int batch, float* smem) {
   StreamPlan& p = stream_plan();
   p.active = 0;
+#ifdef MK_STREAM_OFF
+  return false;
+#endif
   if (mma_batch(batch) || batch > BATCH_CHUNK || t.nrows <= 0) return false;
   const unsigned row_bytes = (unsigned)t.K * sizeof(wtype);
   const int nb = batch, Kp = stream_kpad(t.K);
@@ -177,6 +190,9 @@ __device__ void stream_consume(const StreamPlan& p, float* smem, const float* xs
         jcur = j;
       }
       if (sg * STREAM_SEG + lane * VEC >= p.K) continue;   // a partial last segment
+#ifdef MK_STREAM_NOCOMPUTE
+      continue;
+#endif
       float f[VEC];
       unpack(*reinterpret_cast<const uint4*>(ws + (size_t)j * p.K + sg * STREAM_SEG + lane * VEC), f);
 #pragma unroll
