@@ -32,7 +32,15 @@ struct StreamPlan {
   unsigned stage_bytes, ring_off;
   const wtype* w0;
   const wtype* w1;
+  unsigned long long* mark;   // MK_STREAM_MARK experiments: this instruction's profile start
 };
+
+#ifdef MK_STREAM_MARK
+#define STREAM_MARK(n) \
+  if (MK_STREAM_MARK == (n) && threadIdx.x == 0 && p.mark) *p.mark = globaltimer_ns();
+#else
+#define STREAM_MARK(n)
+#endif
 
 __device__ __forceinline__ StreamPlan& stream_plan() {
   __shared__ StreamPlan p;
@@ -42,6 +50,12 @@ __device__ __forceinline__ StreamPlan& stream_plan() {
 __device__ __forceinline__ unsigned long long* stream_bars() {   // full[STREAM_SLOTS], empty[...]
   __shared__ __align__(8) unsigned long long bars[2 * STREAM_SLOTS];
   return bars;
+}
+
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -166,6 +180,7 @@ __device__ void stream_consume(const StreamPlan& p, float* smem, const float* xs
       stream_issue(p, smem, s - 1 + p.S);
     }
     mbar_wait(bars + slot, (s / p.S) & 1);
+    if (s == 0) { STREAM_MARK(2) }
     int r, cnt;
     stream_stage_rows(p, s, r, cnt);
     const wtype* ws = reinterpret_cast<const wtype*>(reinterpret_cast<const char*>(smem) + p.ring_off +
@@ -218,7 +233,9 @@ __device__ float* linear_stream(const KernelArgs& a, const XSrc& src, float* sme
   float* part = outs + NB * p.nrows;
   for (int i = threadIdx.x; i < p.nrows * NB * NWARPS; i += NTHREADS) part[i] = 0.f;
   load_normed(a, src.x, src.ldx, 0, NB, p.K, src.nw, xs, smem, true, stream_kpad(p.K));   // ends with __syncthreads
+  STREAM_MARK(1)
   stream_consume<NB>(p, smem, xs, part);
+  STREAM_MARK(3)
   __syncthreads();
   for (int i = threadIdx.x; i < NB * p.nrows; i += NTHREADS) {
     const float* pr = part + ((i % p.nrows) * NB + i / p.nrows) * NWARPS;
