@@ -153,6 +153,12 @@ __device__ bool stream_begin(const KernelArgs& a, const Tile& t, int batch, floa
   }
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");   // inits -> the TMA unit
   for (int s = 0; s < min(p.S, p.total); s++) stream_issue(p, smem, s);
+#ifdef MK_STREAM_LAND
+  const unsigned long long t0 = globaltimer_ns();
+  for (int s = 0; s < min(p.S, p.total); s++) mbar_wait(stream_bars() + s, 0);
+  if (p.mark) p.mark[1] = globaltimer_ns() - t0;   // overwritten by the op's end
+  if (p.mark && blockIdx.x == 50) printf("land %d stages %u B: %llu ns\n", min(p.S, p.total), p.stage_bytes, globaltimer_ns() - t0);
+#endif
   return true;
 }
 
