@@ -185,7 +185,12 @@ __device__ void stream_consume(const StreamPlan& p, float* smem, const float* xs
       mbar_wait(bars + STREAM_SLOTS + (s - 1) % p.S, ((s - 1) / p.S) & 1);
       stream_issue(p, smem, s - 1 + p.S);
     }
+#ifdef MK_STREAM_LANE0
+    if (lane == 0) mbar_wait(bars + slot, (s / p.S) & 1);
+    __syncwarp();
+#else
     mbar_wait(bars + slot, (s / p.S) & 1);
+#endif
     if (s == 0) { STREAM_MARK(2) }
     int r, cnt;
     stream_stage_rows(p, s, r, cnt);
