@@ -157,7 +157,12 @@ __device__ bool stream_begin(const KernelArgs& a, const Tile& t, int batch, floa
   const unsigned long long t0 = globaltimer_ns();
   for (int s = 0; s < min(p.S, p.total); s++) mbar_wait(stream_bars() + s, 0);
   if (p.mark) p.mark[1] = globaltimer_ns() - t0;   // overwritten by the op's end
-  if (p.mark && blockIdx.x == 50) printf("land %d stages %u B: %llu ns\n", min(p.S, p.total), p.stage_bytes, globaltimer_ns() - t0);
+  const long long c0 = clock64();
+  for (int s = 0; s < min(p.S, p.total); s++) mbar_wait(stream_bars() + s, 0);
+  const long long c1 = clock64();
+  if (p.mark && blockIdx.x == 50)
+    printf("land %d stages %u B: %llu ns; waits on landed stages %lld cycles each\n", min(p.S, p.total),
+           p.stage_bytes, globaltimer_ns() - t0, (c1 - c0) / min(p.S, p.total));
 #endif
   return true;
 }
