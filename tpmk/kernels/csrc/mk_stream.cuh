@@ -184,6 +184,9 @@ __device__ void stream_consume(const StreamPlan& p, float* smem, const float* xs
   const int segs = (p.K + STREAM_SEG - 1) / STREAM_SEG, Kp = stream_kpad(p.K);
   const float4* x4 = reinterpret_cast<const float4*>(xs);
   unsigned long long* bars = stream_bars();
+#ifdef MK_STREAM_CLOCKS
+  long long cw = 0, cc = 0, cf = 0, ct = clock64();
+#endif
   for (int s = 0; s < p.total; s++) {
     const int slot = s % p.S;
     if (threadIdx.x == 0 && s >= 1 && s - 1 + p.S < p.total) {   // refill stage s - 1's slot
@@ -197,6 +200,10 @@ __device__ void stream_consume(const StreamPlan& p, float* smem, const float* xs
     mbar_wait(bars + slot, (s / p.S) & 1);
 #endif
     if (s == 0) { STREAM_MARK(2) }
+#ifdef MK_STREAM_CLOCKS
+    const long long cw1 = clock64();
+    cw += cw1 - ct;
+#endif
     int r, cnt;
     stream_stage_rows(p, s, r, cnt);
     const wtype* ws = reinterpret_cast<const wtype*>(reinterpret_cast<const char*>(smem) + p.ring_off +
@@ -234,10 +241,23 @@ __device__ void stream_consume(const StreamPlan& p, float* smem, const float* xs
           acc[b] += f[4 * h] * xv.x + f[4 * h + 1] * xv.y + f[4 * h + 2] * xv.z + f[4 * h + 3] * xv.w;
         }
     }
+#ifdef MK_STREAM_CLOCKS
+    const long long cc1 = clock64();
+    cc += cc1 - cw1;
+#endif
     if (it0 < it1) flush();
     __syncwarp();
     if (lane == 0) mbar_arrive(bars + STREAM_SLOTS + slot);
+#ifdef MK_STREAM_CLOCKS
+    ct = clock64();
+    cf += ct - cc1;
+#endif
   }
+#ifdef MK_STREAM_CLOCKS
+  if (p.mark && blockIdx.x == 50 && threadIdx.x == 32)
+    printf("clocks K %d rows %d stages %d: wait %lld compute %lld flush+arrive %lld per stage\n", p.K, p.nrows,
+           p.total, cw / p.total, cc / p.total, cf / p.total);
+#endif
 }
 
 // linear() on the stream (stream_plan().active): outs [NB][nrows], readable by every thread.
