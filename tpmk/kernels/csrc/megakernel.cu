@@ -56,7 +56,6 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     if (threadIdx.x == 0) {
       Tile t;
       const bool linear_op = linear_tile(a, ins, t);
-      stream_plan().mark = prof ? prof + 2 * i : nullptr;
       if (!(linear_op && stream_begin(a, t, hdr[isa::H_BATCH], smem))) {
         stream_plan().active = 0;
         if (linear_op) prefetch_l2_tile(t);
