@@ -31,6 +31,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     const int* src = reinterpret_cast<const int*>(all_args + local_rank);
     int* dst = reinterpret_cast<int*>(&sa);
     for (int i = threadIdx.x; i < (int)(sizeof(KernelArgs) / 4); i += NTHREADS) dst[i] = src[i];
+    if (threadIdx.x == 0) stream_init();
   }
   __syncthreads();
   const KernelArgs& a = sa;

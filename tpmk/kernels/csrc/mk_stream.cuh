@@ -14,9 +14,10 @@
 // cycles even on a landed stage, and every warp paid it, plus an arrive and a warp
 // reduction, per 16 KB stage. The TMA unit itself landed 128 KB in 2.1 us (~60 GB/s per SM).
 // (H200 probes, 2026-12-04.)
-// Barriers: thread 0 re-initialises full[w] (1 arrival + the chunk's bytes) for every warp
-// after the previous op's final __syncthreads (no copy is pending then). Warp w's i-th chunk
-// completes phase i & 1 of full[w].
+// Barriers: full[w] (1 arrival + the chunk's bytes per phase) initialised once per launch
+// (stream_init); uses[w] counts its completed phases, so warp w's i-th chunk of an instruction
+// completes phase uses[w] + i (parity & 1). Re-initialising the 16 barriers per instruction
+// cost thread 0 ~4 us before every wait (~250 cycles per mbarrier operation).
 #pragma once
 #include "mk_common.cuh"
 
@@ -45,6 +46,11 @@ __device__ __forceinline__ unsigned long long* stream_bars() {   // full[NWARPS]
   return bars;
 }
 
+__device__ __forceinline__ unsigned* stream_uses() {   // completed phases of full[w]
+  __shared__ unsigned uses[NWARPS];
+  return uses;
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
@@ -56,6 +62,11 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity
 
 // xs row stride: K rounded up to whole segments (xperm4 of a partial last segment stays in it).
 __device__ __forceinline__ int stream_kpad(int K) { return (K + STREAM_SEG - 1) / STREAM_SEG * STREAM_SEG; }
+
+// The generic-proxy shared-memory accesses ordered before this point (by the caller's barrier:
+// the op's __syncthreads, or the warp's __syncwarp after reading its slot) happen before the
+// async-proxy writes of the copies this thread issues next.
+__device__ __forceinline__ void stream_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Chunk c: rows [r, r + cnt) of the tile, K-range [k0, k0 + kn).
 struct StreamChunk {
@@ -79,9 +90,8 @@ __device__ __forceinline__ StreamChunk stream_chunk(const StreamPlan& p, int c) 
   return ch;
 }
 
-// Any one thread: chunk c into its warp's slot (c % NWARPS). The slot's previous chunk has
-// been read by that warp (its __syncwarp precedes this); the proxy fence orders those
-// generic reads before the async-proxy writes of the copy.
+// Any one thread, after stream_fence(): chunk c into its warp's slot (c % NWARPS), whose
+// previous chunk that warp has read.
 __device__ void stream_issue(const StreamPlan& p, float* smem, int c) {
   const StreamChunk ch = stream_chunk(p, c);
   const wtype* src = (ch.r < p.n0 ? p.w0 + (size_t)ch.r * p.K : p.w1 + (size_t)(ch.r - p.n0) * p.K) + ch.k0;
@@ -89,7 +99,6 @@ __device__ void stream_issue(const StreamPlan& p, float* smem, int c) {
   const unsigned bytes = (unsigned)(ch.cnt == 1 ? ch.kn : ch.cnt * p.K) * sizeof(wtype);
   unsigned long long* full = stream_bars() + c % NWARPS;
   char* dst = reinterpret_cast<char*>(smem) + p.ring_off + (size_t)(c % NWARPS) * p.slot_bytes;
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(full)), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(full)) : "memory");
@@ -132,14 +141,18 @@ __device__ bool stream_begin(const KernelArgs& a, const Tile& t, int batch, floa
   p.nc0 = p.m == 1 ? (p.n0 + p.R - 1) / p.R : p.n0 * p.m;
   p.total = p.nc0 + (p.m == 1 ? (p.nrows - p.n0 + p.R - 1) / p.R : (p.nrows - p.n0) * p.m);
   p.active = 1;
-  unsigned long long* bars = stream_bars();
-  for (int w = 0; w < NWARPS; w++) {
-    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(bars + w)) : "memory");
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bars + w)) : "memory");
-  }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");   // the inits -> the TMA unit
+  stream_fence();
   for (int c = 0; c < min(NWARPS, p.total); c++) stream_issue(p, smem, c);
   return true;
+}
+
+// Thread 0, once per launch, before the first __syncthreads.
+__device__ void stream_init() {
+  for (int w = 0; w < NWARPS; w++) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(stream_bars() + w)) : "memory");
+    stream_uses()[w] = 0;
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");   // the inits -> the TMA unit
 }
 
 // Thread 0, when the instruction is abandoned (timeout, abort): its copies still land in
@@ -147,7 +160,7 @@ __device__ bool stream_begin(const KernelArgs& a, const Tile& t, int batch, floa
 __device__ void stream_drain() {
   const StreamPlan& p = stream_plan();
   if (!p.active) return;
-  for (int c = 0; c < min(NWARPS, p.total); c++) mbar_wait(stream_bars() + c, 0);
+  for (int c = 0; c < min(NWARPS, p.total); c++) mbar_wait(stream_bars() + c, stream_uses()[c] & 1);
 }
 
 // Every warp: its chunks; each (row, K-range) sum -> part[(row * m + q) * NB + b].
@@ -160,10 +173,12 @@ __device__ void stream_consume(const StreamPlan& p, float* smem, const float* xs
   unsigned long long* full = stream_bars() + warp;
   const wtype* slot = reinterpret_cast<const wtype*>(reinterpret_cast<const char*>(smem) + p.ring_off +
                                                      (size_t)warp * p.slot_bytes);
-  for (int c = warp, i = 0; c < p.total; c += NWARPS, i++) {
+  const unsigned uses = stream_uses()[warp];
+  int i = 0;
+  for (int c = warp; c < p.total; c += NWARPS, i++) {
     const StreamChunk ch = stream_chunk(p, c);
     const int nseg = (ch.kn + STREAM_SEG - 1) / STREAM_SEG;
-    mbar_wait(full, i & 1);
+    mbar_wait(full, (uses + i) & 1);
     for (int j = 0; j < ch.cnt; j++) {
       float acc[NB];
 #pragma unroll
@@ -191,8 +206,12 @@ __device__ void stream_consume(const StreamPlan& p, float* smem, const float* xs
       }
     }
     __syncwarp();   // every lane's reads of the slot precede lane 0's next copy into it
-    if (lane == 0 && c + NWARPS < p.total) stream_issue(p, smem, c + NWARPS);
+    if (lane == 0 && c + NWARPS < p.total) {
+      stream_fence();
+      stream_issue(p, smem, c + NWARPS);
+    }
   }
+  if (lane == 0) stream_uses()[warp] = uses + i;   // read again after the op's __syncthreads
 }
 
 // linear() on the stream (stream_plan().active): outs [NB][nrows], readable by every thread.
