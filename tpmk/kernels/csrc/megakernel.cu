@@ -54,19 +54,22 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     if (!runs_here(a, ins)) continue;   // an all-gather tile another rank owns
     // This instruction's weights start flowing while this SM waits on its counters
     // (mk_stream.cuh, mk_prefetch.cuh; the next instruction's too was slower).
-    if (threadIdx.x == 0) {
+    if ((threadIdx.x & 31) == 0) {
       Tile t;
       const bool linear_op = linear_tile(a, ins, t);
-      if (!(linear_op && stream_begin(a, t, hdr[isa::H_BATCH], smem))) {
-        stream_plan().active = 0;
-        if (linear_op) prefetch_l2_tile(t);
+      const bool streamed = linear_op && stream_begin(t, hdr[isa::H_BATCH], smem);
+      if (threadIdx.x == 0) {
+        if (!linear_op) stream_plan().active = 0;
+        if (linear_op && !streamed) prefetch_l2_tile(t);
+        go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
+        if (prof) prof[2 * i] = globaltimer();
       }
-      go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
-      if (!go) stream_drain();
-      if (prof) prof[2 * i] = globaltimer();
     }
     __syncthreads();
-    if (!go) return;
+    if (!go) {
+      if (threadIdx.x == 0) stream_drain();
+      return;
+    }
     switch (ins[isa::F_OP]) {
       case isa::OP_NOP: break;
       case isa::OP_EMBED: op_embed(a, ins, hdr, smem); break;

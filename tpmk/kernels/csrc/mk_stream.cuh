@@ -3,7 +3,7 @@
 // private slot per warp, so no warp ever waits for another.
 //   * The tile is cut into chunks (whole rows, or an equal K-range of one row when a row is
 //     larger than a slot); warp w takes chunks w, w + NWARPS, ... through slot w.
-//   * Thread 0 starts every warp's first chunk BEFORE the instruction waits on its counters
+//   * Every warp starts its first chunk BEFORE the instruction waits on its counters
 //     (stream_begin, in the kernel loop): weights never depend on the step's activations, so
 //     up to all of this SM's free shared memory arrives while it waits.
 //   * A warp waits on its slot's barrier, sums its chunk, and its lane 0 starts its next chunk
@@ -104,31 +104,33 @@ __device__ void stream_issue(const StreamPlan& p, float* smem, int c) {
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(full)) : "memory");
 }
 
-// Thread 0, before the instruction's counter waits: plan the stream of a linear op's tile
-// (from linear_tile) and start every warp's first chunk. Inactive (the register matvec runs)
-// on the tensor-core path, for more than one batch pass, when the slots would be under 512
-// bytes, or for a row larger than a slot whose K is not whole segments.
-__device__ bool stream_begin(const KernelArgs& a, const Tile& t, int batch, float* smem) {
-  StreamPlan& p = stream_plan();
+// Lane 0 of every warp, before the instruction's counter waits: plan the stream of a linear
+// op's tile (from linear_tile; every warp computes the same plan, thread 0 also stores it for
+// the op) and start this warp's first chunk, so the 16 copies start in parallel (one thread
+// issuing all of them took ~4 us). False (the register matvec runs) on the tensor-core path,
+// for more than one batch pass, when the slots would be under 512 bytes, or for a row larger
+// than a slot whose K is not whole segments.
+__device__ bool stream_begin(const Tile& t, int batch, float* smem) {
+  StreamPlan p;
   p.active = 0;
-#ifdef MK_STREAM_OFF
-  return false;
-#endif
-  if (mma_batch(batch) || batch > BATCH_CHUNK || t.nrows <= 0) return false;
   const unsigned row_bytes = (unsigned)t.K * sizeof(wtype);
   const int nb = batch, segs = stream_kpad(t.K) / STREAM_SEG;
+#ifndef MK_STREAM_OFF
   unsigned dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
   // part[] is sized for the largest split, K / segs per chunk.
   const unsigned words = NWARPS * BATCH_CHUNK + nb * stream_kpad(t.K) + nb * t.nrows + t.nrows * segs * nb;
   p.ring_off = (4 * words + 127) & ~127u;
-  if (dyn < p.ring_off + NWARPS * 512u) return false;
-  p.slot_bytes = (dyn - p.ring_off) / NWARPS / 128 * 128;
+  p.slot_bytes = dyn > p.ring_off ? (dyn - p.ring_off) / NWARPS / 128 * 128 : 0;
+  p.active = !mma_batch(batch) && batch <= BATCH_CHUNK && t.nrows > 0 && p.slot_bytes >= 512 &&
+             (row_bytes <= p.slot_bytes || t.K % STREAM_SEG == 0);
+#endif
+  if (threadIdx.x == 0) stream_plan().active = p.active;
+  if (!p.active) return false;
   if (row_bytes <= p.slot_bytes) {
     p.m = 1;
     p.R = p.slot_bytes / row_bytes;
   } else {   // the fewest equal K-ranges of whole segments that fit a slot
-    if (t.K % STREAM_SEG != 0) return false;
     p.R = 1;
     p.m = (row_bytes + p.slot_bytes - 1) / p.slot_bytes;
     while (segs % p.m != 0) p.m++;
@@ -140,9 +142,12 @@ __device__ bool stream_begin(const KernelArgs& a, const Tile& t, int batch, floa
   p.w1 = t.rows.w1;
   p.nc0 = p.m == 1 ? (p.n0 + p.R - 1) / p.R : p.n0 * p.m;
   p.total = p.nc0 + (p.m == 1 ? (p.nrows - p.n0 + p.R - 1) / p.R : (p.nrows - p.n0) * p.m);
-  p.active = 1;
-  stream_fence();
-  for (int c = 0; c < min(NWARPS, p.total); c++) stream_issue(p, smem, c);
+  if (threadIdx.x == 0) stream_plan() = p;
+  const int warp = threadIdx.x >> 5;
+  if (warp < p.total) {
+    stream_fence();
+    stream_issue(p, smem, warp);
+  }
   return true;
 }
 
@@ -155,8 +160,8 @@ __device__ void stream_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");   // the inits -> the TMA unit
 }
 
-// Thread 0, when the instruction is abandoned (timeout, abort): its copies still land in
-// shared memory; wait for them before the CTA exits.
+// Thread 0, when the instruction is abandoned (timeout, abort), after a __syncthreads: its
+// copies still land in shared memory; wait for them before the CTA exits.
 __device__ void stream_drain() {
   const StreamPlan& p = stream_plan();
   if (!p.active) return;
