@@ -227,8 +227,6 @@ class Megakernel:
         if optin - static < self.smem:
             raise ValueError(f"megakernel needs {self.smem} B of dynamic shared memory, the device "
                              f"allows {optin - static} B; lower BATCH_CHUNK or tile sizes")
-        # All of it: what the ops do not use holds the weight stream's ring (mk_stream.cuh).
-        self.smem = optin - static
         _check(cu.cuFuncSetAttribute(
             self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             self.smem), "cuFuncSetAttribute")

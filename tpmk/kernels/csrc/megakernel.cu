@@ -2,9 +2,8 @@
 // The grid holds `num_local_ranks * sms_per_rank` CTAs: CTA i runs queue
 // (i % sms_per_rank) of rank (i / sms_per_rank) with that rank's KernelArgs
 // (virtual TP: several ranks in one launch on one GPU; one process per GPU: 1 rank).
-// Per CTA: fetch instruction i + 2 into a 3-slot ring, start instruction i's weights
-// (weights never depend on activations: they flow while this SM waits): into the shared-memory
-// stream at batch <= BATCH_CHUNK (mk_stream.cuh), else the start into L2; wait on
+// Per CTA: fetch instruction i + 2 into a 3-slot ring, ask L2 for the start of instruction
+// i's weights (weights never depend on activations: they flow while this SM waits), wait on
 // instruction i's counters, run the op, signal.
 // Instruction words and KernelArgs: isa_generated.cuh (from isa.py).
 #include "mk_common.cuh"
@@ -31,7 +30,6 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     const int* src = reinterpret_cast<const int*>(all_args + local_rank);
     int* dst = reinterpret_cast<int*>(&sa);
     for (int i = threadIdx.x; i < (int)(sizeof(KernelArgs) / 4); i += NTHREADS) dst[i] = src[i];
-    if (threadIdx.x == 0) stream_init();
   }
   __syncthreads();
   const KernelArgs& a = sa;
@@ -52,24 +50,15 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
     if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
     if (!runs_here(a, ins)) continue;   // an all-gather tile another rank owns
-    // This instruction's weights start flowing while this SM waits on its counters
-    // (mk_stream.cuh, mk_prefetch.cuh; the next instruction's too was slower).
-    if ((threadIdx.x & 31) == 0) {
-      Tile t;
-      const bool linear_op = linear_tile(a, ins, t);
-      const bool streamed = linear_op && stream_begin(t, hdr[isa::H_BATCH], smem);
-      if (threadIdx.x == 0) {
-        if (!linear_op) stream_plan().active = 0;
-        if (linear_op && !streamed) prefetch_l2_tile(t);
-        go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
-        if (prof) prof[2 * i] = globaltimer();
-      }
+    // The start of this instruction's weights into L2 while this SM waits on its counters
+    // (mk_prefetch.cuh; the next instruction's too was slower).
+    if (threadIdx.x == 0) {
+      prefetch_instruction(a, ins);
+      go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
+      if (prof) prof[2 * i] = globaltimer();
     }
     __syncthreads();
-    if (!go) {
-      if (threadIdx.x == 0) stream_drain();
-      return;
-    }
+    if (!go) return;
     switch (ins[isa::F_OP]) {
       case isa::OP_NOP: break;
       case isa::OP_EMBED: op_embed(a, ins, hdr, smem); break;

@@ -186,24 +186,17 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, floa
                                                    bf2_bits(__floats2bfloat162_rn(v.z, v.w)));
 }
 
-// xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K (row stride
-// xstride, default K; with perm, k's float4 at xperm4(k / 4) of the row).
+// xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K.
 // Latency-bound at batch 1: every load is a 16-byte vector and all of a thread's
 // loads of a pass are issued before any is used (K, ldx multiples of 8: host-checked).
 constexpr int NORM_VPT = 4;   // float4 of x per thread per pass (K <= 8192 in one pass)
-// perm: each VEC-wide group of x stored at the streamed matvec's float4 positions (xperm4).
-__device__ __forceinline__ int xperm4(int k4) {
-  if constexpr (VEC == 8) return (k4 & ~63) | ((k4 & 1) << 5) | ((k4 >> 1) & 31);
-  return k4;
-}
 __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0, int nb, int K,
-                            const wtype* w, float* xs, float* red, bool perm = false, int xstride = 0) {
-  if (xstride == 0) xstride = K;   // xs row stride (the stream pads rows to whole segments)
+                            const wtype* w, float* xs, float* red) {
   float ss[BATCH_CHUNK] = {0.f, 0.f, 0.f, 0.f};
   const int K4 = K / 4;
   for (int b = 0; b < nb; b++) {
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(b0 + b) * ldx);
-    float4* xo = reinterpret_cast<float4*>(xs + b * xstride);
+    float4* xo = reinterpret_cast<float4*>(xs + b * K);
     for (int k0 = threadIdx.x; k0 < K4; k0 += NORM_VPT * NTHREADS) {
       float4 v[NORM_VPT];
 #pragma unroll
@@ -211,8 +204,7 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
         v[j] = k0 + j * NTHREADS < K4 ? __ldcg(xr + k0 + j * NTHREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int j = 0; j < NORM_VPT; j++) {
-        const int k4 = k0 + j * NTHREADS;
-        if (k4 < K4) xo[perm ? xperm4(k4) : k4] = v[j];
+        if (k0 + j * NTHREADS < K4) xo[k0 + j * NTHREADS] = v[j];
         ss[b] += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
       }
     }
@@ -243,13 +235,11 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
       const int k = k0 + j * NTHREADS;
       if (k >= K / 8) continue;
       for (int b = 0; b < nb; b++) {
-        float4* xb = reinterpret_cast<float4*>(xs + b * xstride);
-        float4& lo_r = xb[perm ? xperm4(2 * k) : 2 * k];
-        float4& hi_r = xb[perm ? xperm4(2 * k + 1) : 2 * k + 1];
-        float4 lo = lo_r, hi = hi_r;
+        float4* p = reinterpret_cast<float4*>(xs + b * K + 8 * k);
+        float4 lo = p[0], hi = p[1];
         lo.x *= r[b] * f[j][0]; lo.y *= r[b] * f[j][1]; lo.z *= r[b] * f[j][2]; lo.w *= r[b] * f[j][3];
         hi.x *= r[b] * f[j][4]; hi.y *= r[b] * f[j][5]; hi.z *= r[b] * f[j][6]; hi.w *= r[b] * f[j][7];
-        lo_r = lo; hi_r = hi;
+        p[0] = lo; p[1] = hi;
       }
     }
   }

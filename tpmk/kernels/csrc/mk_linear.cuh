@@ -1,11 +1,9 @@
 // linear(): the one entry point of every matvec op (qkv, o_proj, gate_up, down, lm_head).
 // batch >= MMA_MIN_BATCH (bf16): tensor-core passes of up to MMA_PASS rows (mk_mma.cuh), each
-// weight tile read once per pass; smaller batches: the CUDA-core matvec on the weight stream
-// (mk_stream.cuh) when stream_begin planned one, else from registers over BATCH_CHUNK rows.
+// weight tile read once per pass; smaller batches: CUDA-core matvec over BATCH_CHUNK rows.
 #pragma once
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
-#include "mk_stream.cuh"
 
 // Batch rows per linear() call for a tile of nrows outputs.
 __device__ __forceinline__ int linear_chunk(int batch, int nrows) {
@@ -20,12 +18,6 @@ __device__ __forceinline__ int linear_chunk(int batch, int nrows) {
 // (and writable until the caller's next __syncthreads()).
 __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int b0, int nb, int nrows,
                          const XSrc& src, const RowMap& row, float* smem) {
-  if (stream_plan().active) {   // one pass of nb = batch <= BATCH_CHUNK rows (stream_begin)
-    if (nb == 1) return linear_stream<1>(a, src, smem);
-    if (nb == 2) return linear_stream<2>(a, src, smem);
-    if (nb == 3) return linear_stream<3>(a, src, smem);
-    return linear_stream<4>(a, src, smem);
-  }
   float* red = smem;
   float* base = smem + NWARPS * BATCH_CHUNK;
 #ifdef MK_HAS_MMA

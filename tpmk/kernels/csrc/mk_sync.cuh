@@ -5,8 +5,8 @@
 // form a release pattern that publishes them to whoever acquires the counter
 // (the consumer CTA, on this GPU or a peer). One fence for all tp counters:
 // a red.release per peer would fence tp times.
-// Consumer: thread 0 spins with ld.relaxed until counter - epoch * count >= 0
-// (wrap-safe), then reads it once more with ld.acquire, then __syncthreads().
+// Consumer: thread 0 spins with ld.acquire until
+// counter - epoch * count >= 0 (wrap-safe), then __syncthreads().
 // Every spin is bounded by a.timeout_ns (globaltimer); a timeout writes the
 // error block (first writer wins) and every CTA then leaves its loop.
 // Scope: .gpu when every rank of the launch lives on this GPU (virtual TP, loopback);
@@ -23,12 +23,6 @@
 __device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire." MK_SCOPE ".global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.relaxed." MK_SCOPE ".global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -61,10 +55,7 @@ __device__ bool wait_counter(const KernelArgs& a, const int* ins, int which, uns
   if ((int)(v - target) >= 0) return true;
   const unsigned long long t0 = globaltimer();
   int spins = 0;
-  // Spin relaxed, then one acquire: each ld.acquire also invalidates this SM's L1
-  // (CCTL.IVALL), which stalled the weight stream's TMA copies into shared memory
-  // while this thread waited.
-  while ((int)((v = ld_relaxed(c)) - target) < 0 || (int)((v = ld_acquire_sys(c)) - target) < 0) {
+  while ((int)((v = ld_acquire_sys(c)) - target) < 0) {
     if ((++spins & 63) == 0) {
       if (aborted(a)) return false;
       if (globaltimer() - t0 > (unsigned long long)a.timeout_ns) {
