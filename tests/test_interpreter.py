@@ -77,6 +77,7 @@ def test_tensor_core_batch_takes_bf16_inputs_within_bf16_tolerance_of_hf():
     assert float((got - want).abs().max() / want.abs().max()) < 3e-2
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
+
 @pytest.mark.parametrize("qkv_pairs", [1, 3, 8])
 def test_any_qkv_tile_height_matches_hf(qkv_pairs):
     """build_schedule(qkv_pairs=...): qkv tiles of 1, 3 (the head's last one shorter) and all 8

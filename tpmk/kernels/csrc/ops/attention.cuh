@@ -102,6 +102,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   const int l = ins[isa::F_LAYER], g = ins[isa::F_ROW0], split = ins[isa::F_ARG1];
   const int D = a.head_dim, G = a.q_heads / a.kv_heads, ps = a.page_size, S = a.num_splits;
   const int CH = a.attn_chunk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool tc = attn_tc(batch, G, D);   // scores and P.V on the tensor cores
   const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
   const int* pages = pos + a.bucket + b * a.max_pages;
   const int ctx = pos[b] + 1, per = (ctx + S - 1) / S;
@@ -157,7 +158,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     issue(0);
   }
   const float* q = reinterpret_cast<const float*>(a.q) + ((size_t)b * a.q_heads + g * G) * D;
-  if (attn_tc(batch, G, D)) {
+  if (tc) {
     for (int i = G * (ATTN_CHUNK + 8) + threadIdx.x; i < 16 * (ATTN_CHUNK + 8); i += NTHREADS)
       pb[i] = __float2bfloat16_rn(0.f);   // heads >= G
     __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(qs);
@@ -183,7 +184,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     const char* kc = kvs + (size_t)(c % 2) * 2 * CH * RB;
     const char* vc = kc + (size_t)CH * RB;
 #ifdef MK_HAS_MMA
-    if (attn_tc(batch, G, D)) {   // scores on tensor cores: warp j takes tokens 8j..8j+7 (an n-tile), all heads
+    if (tc) {   // scores on tensor cores: warp j takes tokens 8j..8j+7 (an n-tile), all heads
       const int gr = lane >> 2, t4 = lane & 3, QW = (D + 8) / 2;
       const unsigned* qa = reinterpret_cast<const unsigned*>(qs) + gr * QW + t4;   // head gr
       const unsigned* qb = qa + 8 * QW;                                             // head gr + 8
@@ -224,7 +225,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
       mx = warp_max(mx);
       const float mold = st[h], mnew = fmaxf(mold, mx);
       float sum = 0.f;
-      if (attn_tc(batch, G, D)) {   // bf16 for the tensor cores, zeros to the k16 step's end
+      if (tc) {   // bf16 for the tensor cores, zeros to the k16 step's end
         for (int t = lane; t < ((cn + 15) & ~15); t += 32) {
           const float p = t < cn ? expf(sc[h * ATTN_CHUNK + t] - mnew) : 0.f;
           pb[h * (ATTN_CHUNK + 8) + t] = __float2bfloat16_rn(p);
@@ -248,7 +249,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     }
     __syncthreads();
 #ifdef MK_HAS_MMA
-    if (attn_tc(batch, G, D)) {   // P.V on tensor cores: warp w takes dims 8j..8j+7 (j = w, w + 16)
+    if (tc) {   // P.V on tensor cores: warp w takes dims 8j..8j+7 (j = w, w + 16)
       const int gr = lane >> 2, t4 = lane & 3, PW = (ATTN_CHUNK + 8) / 2, cn16 = (cn + 15) & ~15;
       const unsigned* pa = reinterpret_cast<const unsigned*>(pb) + gr * PW + t4;   // head gr; + 8 PW: gr + 8
       const float al0 = gr < G ? st[2 * G + gr] : 0.f, al1 = gr + 8 < G ? st[2 * G + gr + 8] : 0.f;
@@ -285,7 +286,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   float* red = reinterpret_cast<float*>(kvs);   // [Q][G * D] (tensor cores: [1][G * D])
   int nq = Q;
 #ifdef MK_HAS_MMA
-  if (attn_tc(batch, G, D)) {   // C fragments: av[4 s + 0..1] head gr, dims 8j + 2 t4 + {0, 1}; [2..3] head gr + 8
+  if (tc) {   // C fragments: av[4 s + 0..1] head gr, dims 8j + 2 t4 + {0, 1}; [2..3] head gr + 8
     nq = 1;
     const int gr = lane >> 2, t4 = lane & 3;
 #pragma unroll
