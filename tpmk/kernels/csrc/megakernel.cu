@@ -56,6 +56,9 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       prefetch_instruction(a, ins);
       go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
       if (prof) prof[2 * i] = globaltimer();
+#ifdef MK_PROF_MARK
+      prof_instr() = i;
+#endif
     }
     __syncthreads();
     if (!go) return;

@@ -68,6 +68,24 @@ __device__ void block_sum(float* v, int n, float* red) {
 // (L2, never a stale L1 line); the acquire in wait_counter orders them.
 __device__ __forceinline__ float ld_act(const float* p) { return __ldcg(p); }
 
+// Tuning probe, compiled out by default: with -DMK_PROF_MARK=N the profile's start stamp of
+// the running instruction moves to point N of the CUDA-core linear(): 5 its entry, 3 the
+// inputs loaded, 4 their sums of squares reduced, 1 the normed inputs in shared memory, 2 the
+// matvec done. Traces of one build per point split a tile's time (bench/tune_sweep.sh).
+__device__ __forceinline__ int& prof_instr() {
+  __shared__ int i;
+  return i;
+}
+__device__ __forceinline__ void prof_mark(const KernelArgs& a, int where) {
+#ifdef MK_PROF_MARK
+  if (where == MK_PROF_MARK && threadIdx.x == 0 && a.profile) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    reinterpret_cast<unsigned long long*>(a.profile)[2 * prof_instr()] = t;
+  }
+#endif
+}
+
 // Rows of a linear op's weight tile: r < n0 -> w0 + r * ld, else w1 + (r - n0) * ld.
 struct RowMap {
   const wtype* w0;
@@ -209,6 +227,7 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
       }
     }
   }
+  prof_mark(a, 3);
   if (w == nullptr) { __syncthreads(); return; }
   // Norm weights (16 bytes = 8 per load): the first pass's loads overlap the block reduction.
   float f[2][8];
@@ -226,6 +245,7 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
   };
   load_w(threadIdx.x);
   block_sum(ss, nb, red);
+  prof_mark(a, 4);
   float r[BATCH_CHUNK];
   for (int b = 0; b < nb; b++) r[b] = rsqrtf(ss[b] / K + a.eps);
   for (int k0 = threadIdx.x; k0 < K / 8; k0 += 2 * NTHREADS) {
