@@ -1,30 +1,17 @@
 // Batch-1 matvec load patterns in isolation (no megakernel, no dependency waits):
 // 132 CTAs x 512 threads, each CTA streams its tile of nrows x K bf16 weights for
 // L layers back to back (layers rotate through more than L2 holds) and dots them with
-// an f32 x in shared memory. Prints per-layer us and achieved TB/s per pattern.
-//   nvcc -O3 -arch=sm_90a -o /tmp/mv_probe bench/mv_probe.cu && /tmp/mv_probe
-#include <cuda_bf16.h>
+// an f32 x in shared memory. Prints per-layer us and achieved TB/s per pattern, each run
+// free and with a grid barrier before every layer (as after a dependency wait).
+//   nvcc -O3 -arch=sm_90a -o /tmp/mv_probe bench/mv_probe.cu && /tmp/mv_probe [layers, default 12]
+#include "../tpmk/kernels/csrc/mk_common.cuh"   // unpack, warp_sum
 #include <cstdio>
 #include <vector>
 #include <algorithm>
 #include <cstdlib>
 
-constexpr int NT = 512, NW = NT / 32, VEC = 8, STEP = 32 * VEC;
+constexpr int NT = 512, NW = NT / 32, STEP = 32 * VEC;
 
-__device__ __forceinline__ void unpack(const uint4& u, float* f) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 template <int R>
 __device__ __forceinline__ void fma_rows(const float* xs, int k, const uint4 (&u)[R], float (&acc)[R]) {
   float xv[VEC];
@@ -94,31 +81,6 @@ probe(const __nv_bfloat16* __restrict__ w, const float* __restrict__ x, float* _
 #pragma unroll
           for (int i = 0; i < U; i++)
             if (k0 + i * STEP < kend) fma_rows<R>(xs, k0 + i * STEP, u[i], acc);
-        }
-#pragma unroll
-        for (int j = 0; j < R; j++) sink += warp_sum(acc[j]);
-      }
-    } else if (MODE == 5) {   // mode 0, each warp starting its K range at a different chunk
-      constexpr int U = 4, R = 4, SL = STEP * U;
-      const int groups = (nrows + R - 1) / R, nit = (K + SL - 1) / SL;
-      for (int g = warp; g < groups; g += NW) {
-        const __nv_bfloat16* wr[R];
-#pragma unroll
-        for (int j = 0; j < R; j++) wr[j] = W + (size_t)min(g * R + j, nrows - 1) * K;
-        float acc[R] = {0.f, 0.f, 0.f, 0.f};
-        const int rot = (blockIdx.x * 5 + g * 3) % nit;
-        for (int t = 0; t < nit; t++) {
-          const int k0 = (t + rot) % nit * SL + lane * VEC;
-          uint4 u[U][R];
-#pragma unroll
-          for (int i = 0; i < U; i++)
-#pragma unroll
-            for (int j = 0; j < R; j++)
-              u[i][j] = k0 + i * STEP < K ? __ldg(reinterpret_cast<const uint4*>(wr[j] + k0 + i * STEP))
-                                          : make_uint4(0, 0, 0, 0);
-#pragma unroll
-          for (int i = 0; i < U; i++)
-            if (k0 + i * STEP < K) fma_rows<R>(xs, k0 + i * STEP, u[i], acc);
         }
 #pragma unroll
         for (int j = 0; j < R; j++) sink += warp_sum(acc[j]);
@@ -241,13 +203,13 @@ int main(int argc, char** argv) {
   for (const Shape& s : shapes) {
     const size_t stride = (size_t)sms * s.nrows * s.K, bytes = stride * 2;
     const char* names[] = {"megakernel (rows per warp)", "K-slice items", "items, next loads first", "pure read",
-                           "megakernel + 96 KB L2 prefetch", "megakernel, K start rotated"};
+                           "megakernel + 96 KB L2 prefetch"};
     for (int sync = 0; sync < 2; sync++) {
       unsigned* b = sync ? bar : nullptr;
-      float t[6] = {run<0>(w, x, y, s.K, s.nrows, layers, stride, sms, b), run<1>(w, x, y, s.K, s.nrows, layers, stride, sms, b),
+      float t[5] = {run<0>(w, x, y, s.K, s.nrows, layers, stride, sms, b), run<1>(w, x, y, s.K, s.nrows, layers, stride, sms, b),
                     run<2>(w, x, y, s.K, s.nrows, layers, stride, sms, b), run<3>(w, x, y, s.K, s.nrows, layers, stride, sms, b),
-                    run<4>(w, x, y, s.K, s.nrows, layers, stride, sms, b), run<5>(w, x, y, s.K, s.nrows, layers, stride, sms, b)};
-      for (int m = 0; m < 6; m++)
+                    run<4>(w, x, y, s.K, s.nrows, layers, stride, sms, b)};
+      for (int m = 0; m < 5; m++)
         printf("%-8s %4d x %5d %s %-32s %7.2f us  %5.2f TB/s\n", s.name, s.nrows, s.K, sync ? "barrier" : "free   ",
                names[m], t[m], bytes / (t[m] * 1e-6) / 1e12);
     }
