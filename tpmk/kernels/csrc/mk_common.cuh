@@ -68,6 +68,13 @@ __device__ void block_sum(float* v, int n, float* red) {
 // (L2, never a stale L1 line); the acquire in wait_counter orders them.
 __device__ __forceinline__ float ld_act(const float* p) { return __ldcg(p); }
 
+// Nanoseconds, the same clock on every SM (profile stamps, bounded waits).
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
 // Tuning probe, compiled out by default: with -DMK_PROF_MARK=N the profile's start stamp of
 // the running instruction moves to point N of the CUDA-core linear(): 5 its entry, 3 the
 // inputs loaded, 4 their sums of squares reduced, 1 the normed inputs in shared memory, 2 the
@@ -78,11 +85,8 @@ __device__ __forceinline__ int& prof_instr() {
 }
 __device__ __forceinline__ void prof_mark(const KernelArgs& a, int where) {
 #ifdef MK_PROF_MARK
-  if (where == MK_PROF_MARK && threadIdx.x == 0 && a.profile) {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    reinterpret_cast<unsigned long long*>(a.profile)[2 * prof_instr()] = t;
-  }
+  if (where == MK_PROF_MARK && threadIdx.x == 0 && a.profile)
+    reinterpret_cast<unsigned long long*>(a.profile)[2 * prof_instr()] = globaltimer();
 #endif
 }
 

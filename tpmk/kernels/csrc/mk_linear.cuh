@@ -30,10 +30,9 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   float* xs = base;
   float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb][nrows]
   prof_mark(a, 5);
-  auto put = [&](int r, int b, float v) { outs[b * nrows + r] = v; };
   load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red);
   prof_mark(a, 1);
-  matvec(K, xs, nb, nrows, row, put);
+  matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; });
   __syncthreads();
   prof_mark(a, 2);
   return outs;

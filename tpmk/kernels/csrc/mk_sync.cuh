@@ -34,12 +34,6 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel." MK_SCOPE ";" ::: "memory");
 }
 
-__device__ __forceinline__ unsigned long long globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-
 __device__ __forceinline__ bool aborted(const KernelArgs& a) {
   return *reinterpret_cast<volatile int*>(a.error) != 0;
 }
