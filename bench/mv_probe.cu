@@ -53,8 +53,11 @@ probe(const __nv_bfloat16* __restrict__ w, const float* __restrict__ x, float* _
       __syncthreads();
       if (threadIdx.x == 0) {
         atomicAdd(bar, 1u);
+        const unsigned long long t0 = globaltimer();
         unsigned v;
-        do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(bar)); while (v < (l + 1) * gridDim.x);
+        do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(bar));
+        while (v < (l + 1) * gridDim.x && globaltimer() - t0 < 1000000000ull);
+        if (v < (l + 1) * gridDim.x) atomicExch(bar + 1, 1u);   // bounded: 1 s, reported by main()
       }
       __syncthreads();
     }
@@ -152,7 +155,7 @@ float run(const __nv_bfloat16* w, const float* x, float* y, int K, int nrows, in
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  if (bar) cudaMemset(bar, 0, 4);
+  if (bar) cudaMemset(bar, 0, 4);   // the arrival count; bar[1], the timeout flag, stays
   kern<<<sms, NT, K * 4>>>(w, x, y, K, nrows, layers, stride, bar);
   std::vector<float> ts;
   for (int r = 0; r < 5; r++) {
@@ -165,6 +168,8 @@ float run(const __nv_bfloat16* w, const float* x, float* y, int K, int nrows, in
     cudaEventElapsedTime(&ms, e0, e1);
     ts.push_back(ms);
   }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
   std::sort(ts.begin(), ts.end());
   return ts[ts.size() / 2] * 1000.f / layers;   // us per layer
 }
@@ -198,8 +203,9 @@ int main(int argc, char** argv) {
     cudaEventElapsedTime(&ms, e0, e1);
     printf("%d layers, %s, %d SMs, copy %.2f TB/s (read + write)\n", layers, p.name, sms, 2.0 * n * 5 / (ms * 1e-3) / 1e12);
   }
-  unsigned* bar;
-  cudaMalloc(&bar, 4);
+  unsigned* bar;   // [0] grid-barrier arrivals, [1] set if a barrier wait timed out
+  cudaMalloc(&bar, 8);
+  cudaMemset(bar, 0, 8);
   for (const Shape& s : shapes) {
     const size_t stride = (size_t)sms * s.nrows * s.K, bytes = stride * 2;
     const char* names[] = {"megakernel (rows per warp)", "K-slice items", "items, next loads first", "pure read",
@@ -214,7 +220,10 @@ int main(int argc, char** argv) {
                names[m], t[m], bytes / (t[m] * 1e-6) / 1e12);
     }
   }
+  unsigned timed_out = 0;
+  cudaMemcpy(&timed_out, bar + 1, 4, cudaMemcpyDeviceToHost);
   cudaError_t e = cudaGetLastError();
   printf("%s\n", cudaGetErrorString(e));
-  return 0;
+  if (timed_out) printf("a grid barrier timed out: the %d CTAs were not all resident; barrier rows are void\n", sms);
+  return e != cudaSuccess || timed_out;
 }
