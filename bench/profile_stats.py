@@ -4,9 +4,11 @@ For each op (qkv, attention, ...) over all layers of rank 0: instructions per la
 mean / max instruction time, and the mean critical-path share: the time from the
 previous stage's last instruction end to this stage's last end (what the stage adds
 to the step when stages run back to back). Also the mean gap before an instruction
-on its SM (instruction fetch + counter wait).
+on its SM (instruction fetch + counter wait). --starts: per op, the medians over its
+stages' instructions of start and end, in us after the previous stage's last end (with a
+-DMK_PROF_MARK=N build, "start" is probe point N).
 
-  python bench/profile_stats.py trace.json [--top N]
+  python bench/profile_stats.py trace.json [--top N] [--starts]
 """
 from __future__ import annotations
 
@@ -55,20 +57,47 @@ def stats(events: list[dict], pid: int = 0) -> list[dict]:
     return rows, total
 
 
+def starts(events: list[dict], pid: int = 0) -> list[dict]:
+    ev = [e for e in events if e.get("pid", 0) == pid]
+    stages: dict[int, list[dict]] = defaultdict(list)
+    for e in ev:
+        stages[e["args"]["stage"]].append(e)
+    per_op: dict[str, dict] = {}
+    prev_end = None
+    for k in sorted(stages):
+        es = stages[k]
+        end = max(e["ts"] + e["dur"] for e in es)
+        if prev_end is not None:
+            s = per_op.setdefault(es[0]["name"].split()[0], dict(start=[], end=[]))
+            s["start"] += [e["ts"] - prev_end for e in es]
+            s["end"] += [e["ts"] + e["dur"] - prev_end for e in es]
+        prev_end = end
+    med = lambda v: sorted(v)[len(v) // 2]
+    return [dict(op=op, n=len(s["start"]), start_us=med(s["start"]), end_us=med(s["end"]),
+                 last_end_us=max(s["end"])) for op, s in per_op.items()]
+
+
 def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)   # `| head` ends the listing quietly
     ap = argparse.ArgumentParser()
     ap.add_argument("trace", help="Chrome trace from --profile (.json, or .json.gz)")
     ap.add_argument("--top", type=int, default=0, help="print only the N ops longest on the critical path")
+    ap.add_argument("--starts", action="store_true",
+                    help="also: median start / end per op after the previous stage's last end")
     args = ap.parse_args()
     with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
-        rows, total = stats(json.load(f)["traceEvents"])
+        events = json.load(f)["traceEvents"]
+    rows, total = stats(events)
     rows = rows[:args.top] if args.top > 0 else rows
     print(f"step span {total:.1f} us (rank 0)")
     print(f"{'op':>10} {'tiles':>6} {'mean us':>8} {'max us':>7} {'crit us/stage':>13} {'crit %':>6} {'gap us':>7}")
     for r in rows:
         print(f"{r['op']:>10} {r['per_stage']:6.0f} {r['mean_us']:8.2f} {r['max_us']:7.2f} "
               f"{r['crit_us_per_stage']:13.2f} {100 * r['crit_frac']:6.1f} {r['mean_gap_us']:7.2f}")
+    if args.starts:
+        print(f"{'op':>10} {'n':>6} {'start us':>8} {'end us':>7} {'last end':>8}   (medians after the previous stage's last end)")
+        for r in starts(events):
+            print(f"{r['op']:>10} {r['n']:6d} {r['start_us']:8.2f} {r['end_us']:7.2f} {r['last_end_us']:8.2f}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,6 @@ for v in "$@"; do
     ${v:+--define $v} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3
 done
 for t in "$OUT"/trace*.json; do
-  [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t" | sed -n 1,9p
+  [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t" --starts | sed -n 1,24p
 done
 echo "== all done at $(( $(date +%s) - t0 )) s"

@@ -62,6 +62,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     }
     __syncthreads();
     if (!go) return;
+    prof_mark(a, 6);
     switch (ins[isa::F_OP]) {
       case isa::OP_NOP: break;
       case isa::OP_EMBED: op_embed(a, ins, hdr, smem); break;

@@ -76,9 +76,10 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 }
 
 // Tuning probe, compiled out by default: with -DMK_PROF_MARK=N the profile's start stamp of
-// the running instruction moves to point N of the CUDA-core linear(): 5 its entry, 3 the
-// inputs loaded, 4 their sums of squares reduced, 1 the normed inputs in shared memory, 2 the
-// matvec done. Traces of one build per point split a tile's time (bench/tune_sweep.sh).
+// the running instruction moves to point N: 6 after the barrier that follows the dependency
+// wait, 7 a linear op's entry once its header word landed; in the CUDA-core linear(): 5 its
+// entry, 3 the inputs loaded, 4 their sums of squares reduced, 1 the normed inputs in shared
+// memory, 2 the matvec done. Traces of one build per point split a tile's time (bench/tune_sweep.sh).
 __device__ __forceinline__ int& prof_instr() {
   __shared__ int i;
   return i;
