@@ -360,6 +360,24 @@ __device__ __forceinline__ void mv_fma(const float* xs, int K, int k, const uint
   }
 }
 
+// 16 bytes of a weight row: read-only and not kept in L1 (L1::no_allocate). Streamed weights
+// allocated in L1 evicted the stack frames and spilled state that every op reloads: with
+// __ldg at batch 1 / 2, ctx 1024, 13.58 / 14.12 ms; without L1 allocation 11.67 / 12.09 (H100,
+// 2026-12-05, same run). FETCH256: also a 256-byte L2 fetch, which the tensor-core matvec
+// wants (its warps cover each 256-byte span together) and the CUDA-core one does not (12.09 /
+// 12.55 ms).
+template <bool FETCH256 = false>
+__device__ __forceinline__ uint4 ldg_w(const wtype* p) {
+  uint4 v;
+  if constexpr (FETCH256)
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  else
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
 #ifndef MK_MV_U1
 #define MK_MV_U1 4   // 16-byte loads per row in flight per lane at batch 1 (8 measured slower;
 #endif               // 5 and more spill at 128 registers; asking L2 for each row 1 or 2 loop
@@ -386,7 +404,7 @@ __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn ou
         const int k = k0 + i * STEP;
 #pragma unroll
         for (int j = 0; j < MV_ROWS; j++)
-          u[i][j] = k < m.kend ? __ldg(reinterpret_cast<const uint4*>(wr[j] + k)) : make_uint4(0, 0, 0, 0);
+          u[i][j] = k < m.kend ? ldg_w(wr[j] + k) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int i = 0; i < U; i++)

@@ -24,18 +24,12 @@ constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrow
 constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
 static_assert(MMA_OUT_AT + MMA_OUT_WORDS == isa::MMA_SMEM_WORDS, "isa.MMA_SMEM_WORDS (the host's size) drifted");
 
-// 16 bytes of a weight row: read-only, not kept in L1, and a 256-byte
+// Weight rows through ldg_w<true> (mk_common.cuh): not kept in L1, and a 256-byte
 // L2 fetch: a warp reads each of its 16 rows in 64-byte pieces, one per k block, and the K-part
 // warps interleave their k blocks, so ks = 4 warps together cover each 256-byte span
 // (batch 8 / 32 / 128 at 12.76 / 17.86 / 37.53 ms vs 13.86 / 19.01 / 39.28 without, H200,
 // 2026-12-04; asking L2 for each m-tile's rows 1 or 2 chunks ahead was slower: 14.06 / 18.44 /
 // 41.16 and 14.22 / 18.99 / 39.68).
-__device__ __forceinline__ uint4 ldg_w(const wtype* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
@@ -113,8 +107,8 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       for (int u = 0; u < U; u++) {
         const int kb = kb0 + u * ks, k = kc0 + kb * 32 + 8 * t;
         const bool ok = live && kb < NKB && k < K;
-        ua[u] = ok ? ldg_w(wa + k) : make_uint4(0, 0, 0, 0);
-        ub[u] = ok ? ldg_w(wb + k) : make_uint4(0, 0, 0, 0);
+        ua[u] = ok ? ldg_w<true>(wa + k) : make_uint4(0, 0, 0, 0);
+        ub[u] = ok ? ldg_w<true>(wb + k) : make_uint4(0, 0, 0, 0);
       }
     };
     float acc[NT][4];
