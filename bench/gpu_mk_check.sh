@@ -34,6 +34,9 @@ done
 wait
 cat "$OUT"/pytest[0-9]*.log > "$OUT/pytest.log" 2>/dev/null
 echo "== pytest"; grep -E "passed|failed|Error|error|assert|near-tie|rel (logit|err)|FAILED" "$OUT/pytest.log" | tail -40
+for f in "$OUT"/pytest[0-9]*.log; do   # every shard's last line, whatever the tail above cut
+  echo "== $(basename "$f"): $(tail -n 1 "$f")"
+done
 for tool in ${SAN_TOOLS-memcheck racecheck}; do echo "== compute-sanitizer $tool"; cat "$OUT/san_$tool.log"; done
 if [ -n "${EXTRA_TESTS:-}" ]; then
   OMP_NUM_THREADS=8 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x -s -m gpu $EXTRA_TESTS > "$OUT/pytest_extra.log" 2>&1
