@@ -34,26 +34,6 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel." MK_SCOPE ";" ::: "memory");
 }
 
-// Probe (MK_WAIT): 0 acquire loads spin (default), 1 relaxed loads spin then one fence.acquire,
-// 2 relaxed spin and no acquire (not memory-model safe: measures the L1 invalidation's cost).
-#ifndef MK_WAIT
-#define MK_WAIT 0
-#endif
-__device__ __forceinline__ unsigned ld_poll(const unsigned* p) {
-#if MK_WAIT == 0
-  return ld_acquire_sys(p);
-#else
-  unsigned v;
-  asm volatile("ld.relaxed." MK_SCOPE ".global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-#endif
-}
-__device__ __forceinline__ void after_poll() {
-#if MK_WAIT == 1
-  asm volatile("fence.acquire." MK_SCOPE ";" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ bool aborted(const KernelArgs& a) {
   return *reinterpret_cast<volatile int*>(a.error) != 0;
 }
@@ -65,11 +45,11 @@ __device__ bool wait_counter(const KernelArgs& a, const int* ins, int which, uns
   if (cid == isa::NO_COUNTER) return true;
   const unsigned target = epoch * (unsigned)ins[which == 0 ? isa::F_COUNT0 : isa::F_COUNT1];
   const unsigned* c = reinterpret_cast<const unsigned*>(a.counters) + (size_t)cid * isa::COUNTER_STRIDE;
-  unsigned v = ld_poll(c);
-  if ((int)(v - target) >= 0) { after_poll(); return true; }
+  unsigned v = ld_acquire_sys(c);
+  if ((int)(v - target) >= 0) return true;
   const unsigned long long t0 = globaltimer();
   int spins = 0;
-  while ((int)((v = ld_poll(c)) - target) < 0) {
+  while ((int)((v = ld_acquire_sys(c)) - target) < 0) {
     if ((++spins & 63) == 0) {
       if (aborted(a)) return false;
       if (globaltimer() - t0 > (unsigned long long)a.timeout_ns) {
@@ -86,7 +66,6 @@ __device__ bool wait_counter(const KernelArgs& a, const int* ins, int which, uns
       }
     }
   }
-  after_poll();
   return true;
 }
 
@@ -103,11 +82,7 @@ __device__ __forceinline__ bool runs_here(const KernelArgs& a, const int* ins) {
 __device__ void signal_counter(const KernelArgs& a, const int* ins) {
   const int cid = ins[isa::F_SIGNAL];
   if (cid == isa::NO_COUNTER) return;
-#ifdef MK_SIGNAL_RELEASE
-  asm volatile("fence.release." MK_SCOPE ";" ::: "memory");
-#else
   fence_acq_rel_sys();
-#endif
   const size_t off = (size_t)cid * isa::COUNTER_STRIDE;
   const int bits = ins[isa::F_SIGNAL_PEERS];
   if (bits & isa::SIG_PEERS) {
