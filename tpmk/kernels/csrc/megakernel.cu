@@ -35,7 +35,6 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
   const KernelArgs& a = sa;
   const int* hdr = reinterpret_cast<const int*>(a.header);
   const unsigned epoch = (unsigned)hdr[isa::H_EPOCH];
-  const int batch = hdr[isa::H_BATCH];
   const int* instr = reinterpret_cast<const int*>(a.instructions);
   const int i0 = reinterpret_cast<const int*>(a.queue_start)[sm];
   const int i1 = reinterpret_cast<const int*>(a.queue_start)[sm + 1];
@@ -51,7 +50,6 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
     if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
     if (!runs_here(a, ins)) continue;   // an all-gather tile another rank owns
-    preload_weights(a, ins, batch, smem);   // small batches: part of the tile into shared memory
     // The start of this instruction's weights into L2 while this SM waits on its counters
     // (mk_prefetch.cuh; the next instruction's too was slower).
     if (threadIdx.x == 0) {

@@ -294,82 +294,16 @@ struct MvSplit {
   int groups, ks, kbeg, kend;
 };
 
-constexpr int MV_STEP = 32 * VEC;   // columns a warp covers with one 16-byte load per lane
-
-// K slices of a matvec of nrows rows (block-uniform): ks * row groups <= NWARPS.
-__device__ __forceinline__ int mv_kslices(int nrows) {
-  const int groups = (nrows + MV_ROWS - 1) / MV_ROWS;
-  int ks = 1;
-  while (ks * 2 * groups <= NWARPS) ks *= 2;
-  return ks;
-}
-
-// Columns per K slice: whole MV_STEPs.
-__device__ __forceinline__ int mv_kslice(int K, int ks) { return (K + ks * MV_STEP - 1) / (ks * MV_STEP) * MV_STEP; }
-
 __device__ __forceinline__ MvSplit mv_split(int K, int nrows) {
+  constexpr int STEP = 32 * VEC;
   MvSplit m;
   m.groups = (nrows + MV_ROWS - 1) / MV_ROWS;
-  m.ks = mv_kslices(nrows);
-  const int kslice = mv_kslice(K, m.ks), warp = threadIdx.x >> 5;
+  m.ks = 1;
+  while (m.ks * 2 * m.groups <= NWARPS) m.ks *= 2;   // ends with ks * groups <= NWARPS
+  const int kslice = (K + m.ks * STEP - 1) / (m.ks * STEP) * STEP, warp = threadIdx.x >> 5;
   m.kbeg = warp % m.ks * kslice;
   m.kend = min(K, m.kbeg + kslice);
   return m;
-}
-
-// Weight preload (CUDA-core steps of batch <= PRE_MAX_BATCH): before an instruction waits on
-// its counters, every thread copies (cp.async) into the shared memory linear() leaves free the
-// first T 16-byte loads of its own K range of each row it will read (mv_split's rows and
-// slices): slot (group, row j, t) of lane l of warp w at ((w S + slot) 32 + l) 16 bytes. Each
-// thread reads back only its own copies (no barrier), after its global columns, so the copies
-// land during the wait (HBM otherwise idle behind attention or a residual) and are never
-// waited for. -DMK_PRELOAD=0 turns it off.
-#ifndef MK_PRELOAD
-#define MK_PRELOAD 1
-#endif
-#ifndef MK_PRELOAD_OPS
-#define MK_PRELOAD_OPS 0xffff   // bit (1 << opcode): the linear ops that preload
-#endif
-constexpr int PRE_MAX_BATCH = 2;
-__device__ __forceinline__ bool preloads(int op) { return MK_PRELOAD && ((MK_PRELOAD_OPS >> op) & 1); }
-
-struct PrePlan {
-  int T;        // preloaded loads per (group, row) and lane; 0: none
-  int S;        // slots per thread: groups per warp * MV_ROWS * T
-  int off;      // f32 words from the dynamic smem base: after the scratch, xs and outs
-};
-
-__device__ __forceinline__ unsigned dynamic_smem_bytes() {
-  unsigned v;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
-  return v;
-}
-
-// The same plan in the pre-wait copies and in linear(): a function of the tile and batch only.
-__device__ __forceinline__ PrePlan pre_plan(int batch, int K, int nrows) {
-  PrePlan p{0, 0, 0};
-#if MK_PRELOAD
-  if (batch < 1 || batch > PRE_MAX_BATCH) return p;
-  const int ks = mv_kslices(nrows), groups = (nrows + MV_ROWS - 1) / MV_ROWS;
-  const int gpw = (groups + NWARPS / ks - 1) / (NWARPS / ks);
-  p.off = NWARPS * BATCH_CHUNK + ((batch * (K + nrows) + 3) & ~3);   // linear(): xs, then outs
-  const long long cap = (long long)dynamic_smem_bytes() - 4ll * p.off;
-  const long long per_t = (long long)NTHREADS * 16 * gpw * MV_ROWS;
-  p.T = cap > 0 ? (int)min((long long)(mv_kslice(K, ks) / MV_STEP), cap / per_t) : 0;
-  p.S = gpw * MV_ROWS * p.T;
-#endif
-  return p;
-}
-
-// Shared-memory byte address of this thread's preload slot.
-__device__ __forceinline__ unsigned pre_slot(unsigned base, const PrePlan& p, int slot) {
-  return base + (unsigned)((((threadIdx.x >> 5) * p.S + slot) * 32 + (threadIdx.x & 31)) * 16);
-}
-
-__device__ __forceinline__ uint4 lds128(unsigned addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
 }
 
 // A warp's row-group sums -> out (ks == 1) or the split-K partials; every thread of the block.
@@ -448,15 +382,12 @@ __device__ __forceinline__ uint4 ldg_w(const wtype* p) {
 #define MK_MV_U1 4   // 16-byte loads per row in flight per lane at batch 1 (8 measured slower;
 #endif               // 5 and more spill at 128 registers; asking L2 for each row 1 or 2 loop
                      // trips ahead: 12.71 / 13.47 vs 12.40 ms, H200, 2026-12-04)
-// pre (shared-memory address of the dynamic base) / p: this thread's preloaded loads
-// (pre_plan; p.T = 0: none): the first p.T of each row's K range, read after the global ones.
 template <int NB, typename RowFn, typename OutFn>
-__device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out, unsigned pre, const PrePlan& p) {
-  constexpr int U = NB == 1 ? MK_MV_U1 : 2, STEP = MV_STEP;
+__device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
+  constexpr int U = NB == 1 ? MK_MV_U1 : 2, STEP = 32 * VEC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const MvSplit m = mv_split(K, nrows);
-  const int kg = min(m.kend, m.kbeg + p.T * STEP);   // [kbeg, kg) preloaded, [kg, kend) from global
-  for (int grp = warp / m.ks, gi = 0; grp < m.groups; grp += NWARPS / m.ks, gi++) {
+  for (int grp = warp / m.ks; grp < m.groups; grp += NWARPS / m.ks) {
     const int r0 = grp * MV_ROWS;
     const wtype* wr[MV_ROWS];
 #pragma unroll
@@ -466,7 +397,7 @@ __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn ou
     for (int j = 0; j < MV_ROWS; j++)
 #pragma unroll
       for (int b = 0; b < NB; b++) acc[j][b] = 0.f;
-    for (int k0 = kg + lane * VEC; k0 < m.kend; k0 += STEP * U) {
+    for (int k0 = m.kbeg + lane * VEC; k0 < m.kend; k0 += STEP * U) {
       uint4 u[U][MV_ROWS];
 #pragma unroll
       for (int i = 0; i < U; i++) {
@@ -479,29 +410,15 @@ __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn ou
       for (int i = 0; i < U; i++)
         if (k0 + i * STEP < m.kend) mv_fma<NB>(xs, K, k0 + i * STEP, u[i], acc);
     }
-    if (p.T) {
-      cp_async_wait_all();   // this thread's own copies (landed during the wait)
-      for (int t = 0; t < p.T; t++) {
-        const int k = m.kbeg + lane * VEC + t * STEP;
-        if (k >= m.kend) break;
-        uint4 v[MV_ROWS];
-#pragma unroll
-        for (int j = 0; j < MV_ROWS; j++) v[j] = lds128(pre_slot(pre, p, (gi * MV_ROWS + j) * p.T + t));
-        mv_fma<NB>(xs, K, k, v, acc);
-      }
-    }
     mv_group_out<NB>(m, r0, nrows, acc, out);
   }
   mv_combine<NB>(m, nrows, out);
 }
 
 template <typename RowFn, typename OutFn>
-__device__ void matvec(int K, const float* xs, int nb, int nrows, RowFn row, OutFn out, unsigned pre,
-                       const PrePlan& p) {
-  static_assert(PRE_MAX_BATCH <= 2, "preload only on the nb <= 2 instantiations");
-  const PrePlan none{0, 0, 0};
-  if (nb == 1) matvec_nb<1>(K, xs, nrows, row, out, pre, p);
-  else if (nb == 2) matvec_nb<2>(K, xs, nrows, row, out, pre, p);
-  else if (nb == 3) matvec_nb<3>(K, xs, nrows, row, out, 0, none);
-  else matvec_nb<4>(K, xs, nrows, row, out, 0, none);
+__device__ void matvec(int K, const float* xs, int nb, int nrows, RowFn row, OutFn out) {
+  if (nb == 1) matvec_nb<1>(K, xs, nrows, row, out);
+  else if (nb == 2) matvec_nb<2>(K, xs, nrows, row, out);
+  else if (nb == 3) matvec_nb<3>(K, xs, nrows, row, out);
+  else matvec_nb<4>(K, xs, nrows, row, out);
 }

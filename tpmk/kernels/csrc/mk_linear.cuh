@@ -17,7 +17,7 @@ __device__ __forceinline__ int linear_chunk(int batch, int nrows) {
 // linear_chunk(batch, nrows). Ends with __syncthreads(): outs is readable by every thread
 // (and writable until the caller's next __syncthreads()).
 __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int b0, int nb, int nrows,
-                         const XSrc& src, const RowMap& row, float* smem, bool pre) {
+                         const XSrc& src, const RowMap& row, float* smem) {
   float* red = smem;
   float* base = smem + NWARPS * BATCH_CHUNK;
 #ifdef MK_HAS_MMA
@@ -28,13 +28,11 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   }
 #endif
   float* xs = base;
-  float* outs = xs + nb * K;   // [nb][nrows]; the preloaded weights follow (pre_plan)
-  const PrePlan p = b0 == 0 && pre ? pre_plan(batch, K, nrows) : PrePlan{0, 0, 0};
+  float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb][nrows]
   prof_mark(a, 5);
   load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red);
   prof_mark(a, 1);
-  matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; },
-         (unsigned)__cvta_generic_to_shared(smem + p.off), p);
+  matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; });
   __syncthreads();
   prof_mark(a, 2);
   return outs;
@@ -54,7 +52,7 @@ __device__ void linear_push(const KernelArgs& a, const int* ins, int batch, cons
   const int p0 = rs ? owner_rank(a, ins) : 0, p1 = rs ? p0 + 1 : a.tp;
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
-    const float* outs = linear(a, batch, tile.K, b0, nb, n, src, tile.rows, smem, preloads(ins[isa::F_OP]));   // [nb, n]
+    const float* outs = linear(a, batch, tile.K, b0, nb, n, src, tile.rows, smem);   // [nb, n]
     for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
       const size_t off = ((size_t)a.rank * a.bucket + b0 + i / n) * a.hidden + c0 + i % n;
       for (int p = p0; p < p1; p++) reinterpret_cast<float*>(slots[p])[off] = outs[i];

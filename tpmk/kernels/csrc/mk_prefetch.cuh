@@ -39,26 +39,3 @@ __device__ void prefetch_instruction(const KernelArgs& a, const int* ins) {
   prefetch_l2(t.rows(0), min(n0 * row, cap));
   if (n0 < t.nrows) prefetch_l2(t.rows(n0), min((t.nrows - n0) * row, cap));
 }
-
-// Every thread, before the dependency wait: its own preloaded loads (pre_plan, pre_slot) into
-// shared memory by cp.async, one commit group that only this thread waits for (matvec_nb).
-__device__ void preload_weights(const KernelArgs& a, const int* ins, int batch, float* smem) {
-  Tile t;
-  if (!preloads(ins[isa::F_OP]) || !linear_tile(a, ins, t)) return;
-  const PrePlan p = pre_plan(batch, t.K, t.nrows);
-  if (p.T == 0) return;
-  const unsigned pre = (unsigned)__cvta_generic_to_shared(smem + p.off);
-  const MvSplit m = mv_split(t.K, t.nrows);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int grp = warp / m.ks, gi = 0; grp < m.groups; grp += NWARPS / m.ks, gi++)
-    for (int j = 0; j < MV_ROWS; j++) {
-      const wtype* w = t.rows(min(grp * MV_ROWS + j, t.nrows - 1));
-      for (int s = 0; s < p.T; s++) {
-        const int k = m.kbeg + lane * VEC + s * MV_STEP;
-        if (k >= m.kend) break;
-        const unsigned d = pre_slot(pre, p, (gi * MV_ROWS + j) * p.T + s);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(w + k) : "memory");
-      }
-    }
-  cp_async_commit();
-}

@@ -19,7 +19,7 @@ __device__ __noinline__ void op_gate_up(const KernelArgs& a, const int* ins, con
   const int chunk = linear_chunk(batch, 2 * n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
-    const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, tile.rows, smem, preloads(isa::OP_GATE_UP));   // [nb, 2n]
+    const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, tile.rows, smem);   // [nb, 2n]
     for (int i = threadIdx.x; i < nb * n4; i += NTHREADS) {   // 4 columns per thread
       const int b = i / n4, c = i % n4 * 4;
       const float4 gt = *reinterpret_cast<const float4*>(outs + b * 2 * n + c);

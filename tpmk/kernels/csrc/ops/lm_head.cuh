@@ -18,7 +18,7 @@ __device__ __noinline__ void op_lm_head(const KernelArgs& a, const int* ins, con
   const int chunk = linear_chunk(batch, n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
-    float* outs = linear(a, batch, H, b0, nb, n, src, wt.rows, smem, preloads(isa::OP_LM_HEAD));   // [nb, n]
+    float* outs = linear(a, batch, H, b0, nb, n, src, wt.rows, smem);   // [nb, n]
     for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
       const int b = i / n, r = i % n;
       const float v = gid0 + r < a.vocab_size ? outs[i] : isa::NEG_INF;

@@ -18,7 +18,7 @@ __device__ __noinline__ void op_qkv(const KernelArgs& a, const int* ins, const i
   const int chunk = linear_chunk(batch, 2 * n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
-    const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, tile.rows, smem, preloads(isa::OP_QKV));   // [nb, 2n]
+    const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, tile.rows, smem);   // [nb, 2n]
     for (int idx = threadIdx.x; idx < nb * n; idx += NTHREADS) {
       const int b = idx / n, i = idx % n, t = pos[b0 + b];
       float y1 = outs[b * 2 * n + i], y2 = outs[b * 2 * n + n + i];
