@@ -28,7 +28,7 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   }
 #endif
   float* xs = base;
-  float* outs = xs + BATCH_CHUNK * a.kmax;   // [nb][nrows]
+  float* outs = xs + min(BATCH_CHUNK, a.bucket) * a.kmax;   // [nb][nrows] (megakernel.smem_bytes)
   prof_mark(a, 5);
   load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red);
   prof_mark(a, 1);
