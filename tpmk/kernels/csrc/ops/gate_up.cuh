@@ -5,7 +5,7 @@
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
-__device__ __noinline__ void op_gate_up(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
+__device__ LINEAR_OP void op_gate_up(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], l = ins[isa::F_LAYER], c0 = ins[isa::F_ROW0];
   const int n = ins[isa::F_NROWS], H = a.hidden, I = a.inter;
   if (batch > 0) prof_mark(a, 7);   // after the header's batch word landed

@@ -4,7 +4,7 @@
 #pragma once
 #include "mk_linear.cuh"
 
-__device__ __noinline__ void op_o_proj(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
+__device__ LINEAR_OP void op_o_proj(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const XSrc src{reinterpret_cast<const float*>(a.attn_out), a.q_heads * a.head_dim, nullptr,
                  reinterpret_cast<const __nv_bfloat16*>(a.attn_bf), nullptr, 0};
   linear_push(a, ins, hdr[isa::H_BATCH], src, a.peer_attn_slots, smem);

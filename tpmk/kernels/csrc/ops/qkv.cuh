@@ -4,7 +4,7 @@
 #pragma once
 #include "mk_linear.cuh"
 
-__device__ __noinline__ void op_qkv(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
+__device__ LINEAR_OP void op_qkv(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = hdr[isa::H_BATCH], l = ins[isa::F_LAYER], head = ins[isa::F_ROW0];
   const int n = ins[isa::F_NROWS], p0 = ins[isa::F_ARG0];
   const int H = a.hidden, D = a.head_dim, half = D / 2, hq = a.q_heads, hkv = a.kv_heads;
