@@ -116,11 +116,12 @@ struct Tile {
 };
 
 // The tile of a linear op (qkv, gate_up, o_proj, down, lm_head); false for other ops.
-// The ops and the L2 prefetch take their tile from here.
-__device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins, Tile& t) {
+// The ops and the L2 prefetch take their tile from here; an op passes its own opcode (a
+// constant: the switch folds away), the prefetch the instruction's.
+__device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins, int op, Tile& t) {
   const int l = ins[isa::F_LAYER], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
   const size_t H = a.hidden, D = a.head_dim, I = a.inter, hq = a.q_heads, hkv = a.kv_heads;
-  switch (ins[isa::F_OP]) {
+  switch (op) {
     case isa::OP_QKV: {   // one head's rotary pairs [p0, p0 + n): rows p0 + i and D/2 + p0 + i
       const wtype* W = reinterpret_cast<const wtype*>(a.qkv) + (size_t)l * (hq + 2 * hkv) * D * H;
       const size_t p0 = ins[isa::F_ARG0];

@@ -38,15 +38,15 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   return outs;
 }
 
-// A row-parallel op (o_proj, down): this instruction's tile over every batch pass, each
+// A row-parallel op (o_proj, down; `op` its opcode): this instruction's tile over every batch pass, each
 // pass's [nb, n] partial sums pushed to rows b0.. of slot[rank] (columns ROW0..ROW0+n) of
 // every peer, or of the tile's owner only (OWNER bit: reduce-scatter); `slots`: the
 // peers' slot arrays ([tp, bucket, H] f32 each).
-__device__ void linear_push(const KernelArgs& a, const int* ins, int batch, const XSrc& src,
-                            const unsigned long long* slots, float* smem) {
+__device__ __forceinline__ void linear_push(const KernelArgs& a, const int* ins, int op, int batch, const XSrc& src,
+                                            const unsigned long long* slots, float* smem) {
   if (batch > 0) prof_mark(a, 7);   // after the header's batch word landed
   Tile tile;
-  linear_tile(a, ins, tile);
+  linear_tile(a, ins, op, tile);
   const int c0 = ins[isa::F_ROW0], n = tile.nrows, chunk = linear_chunk(batch, n);
   const bool rs = ins[isa::F_SIGNAL_PEERS] & isa::SIG_OWNER;
   const int p0 = rs ? owner_rank(a, ins) : 0, p1 = rs ? p0 + 1 : a.tp;

@@ -31,7 +31,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long by
 
 __device__ void prefetch_instruction(const KernelArgs& a, const int* ins) {
   Tile t;
-  if (!linear_tile(a, ins, t)) return;
+  if (!linear_tile(a, ins, ins[isa::F_OP], t)) return;
   // The start of each of the tile's (at most two) row blocks.
   const int n0 = min(t.rows.n0, t.nrows);
   const unsigned long long row = (unsigned long long)t.K * sizeof(wtype);

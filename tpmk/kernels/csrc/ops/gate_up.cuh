@@ -10,7 +10,7 @@ __device__ LINEAR_OP void op_gate_up(const KernelArgs& a, const int* ins, const 
   const int n = ins[isa::F_NROWS], H = a.hidden, I = a.inter;
   if (batch > 0) prof_mark(a, 7);   // after the header's batch word landed
   Tile tile;
-  linear_tile(a, ins, tile);   // gate rows c0 + i, then up rows I + c0 + i
+  linear_tile(a, ins, isa::OP_GATE_UP, tile);   // gate rows c0 + i, then up rows I + c0 + i
   const XSrc src = normed_x(a, reinterpret_cast<const wtype*>(a.post_norm) + (size_t)l * H);
   float* act = reinterpret_cast<float*>(a.act);
   __nv_bfloat16* act_bf = reinterpret_cast<__nv_bfloat16*>(a.act_bf);   // for down's tensor cores

@@ -11,7 +11,7 @@ __device__ __noinline__ void op_lm_head(const KernelArgs& a, const int* ins, con
   const int tile = ins[isa::F_TILE], H = a.hidden;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   Tile wt;
-  linear_tile(a, ins, wt);
+  linear_tile(a, ins, isa::OP_LM_HEAD, wt);
   const XSrc src = normed_x(a, reinterpret_cast<const wtype*>(a.final_norm));
   float* logits = reinterpret_cast<float*>(a.logits);
   const int gid0 = a.rank * a.vocab_local + r0;

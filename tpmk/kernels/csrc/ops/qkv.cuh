@@ -12,7 +12,7 @@ __device__ LINEAR_OP void op_qkv(const KernelArgs& a, const int* ins, const int*
   const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
   const int* pages = pos + a.bucket;
   Tile tile;
-  linear_tile(a, ins, tile);   // rows p0 + i, then half + p0 + i, of this head
+  linear_tile(a, ins, isa::OP_QKV, tile);   // rows p0 + i, then half + p0 + i, of this head
   const XSrc src = normed_x(a, reinterpret_cast<const wtype*>(a.input_norm) + (size_t)l * H);
   const float* inv_freq = reinterpret_cast<const float*>(a.rope_inv_freq);
   const int chunk = linear_chunk(batch, 2 * n);
