@@ -57,14 +57,19 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum of v over the block for each of n values; red: NWARPS * n floats of smem.
-__device__ void block_sum(float* v, int n, float* red) {
+template <int N>
+__device__ __forceinline__ void block_sum(float (&v)[N], int n, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = 0; i < n; i++) {
-    float s = warp_sum(v[i]);
+#pragma unroll
+  for (int i = 0; i < N; i++) {   // unrolled over N: v stays in registers
+    if (i >= n) break;
+    const float s = warp_sum(v[i]);
     if (lane == 0) red[warp * n + i] = s;
   }
   __syncthreads();
-  for (int i = 0; i < n; i++) {
+#pragma unroll
+  for (int i = 0; i < N; i++) {
+    if (i >= n) break;
     float s = 0.f;
     for (int w = 0; w < NWARPS; w++) s += red[w * n + i];
     v[i] = s;
@@ -224,9 +229,13 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, floa
 constexpr int NORM_VPT = 4;   // float4 of x per thread per pass (K <= 8192 in one pass)
 __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0, int nb, int K,
                             const wtype* w, float* xs, float* red) {
+  // Per-row arrays (ss, r) are indexed by loops unrolled over BATCH_CHUNK only, so they stay
+  // in registers (a runtime index put them in local memory: a reload per use).
   float ss[BATCH_CHUNK] = {0.f, 0.f, 0.f, 0.f};
   const int K4 = K / 4;
-  for (int b = 0; b < nb; b++) {
+#pragma unroll
+  for (int b = 0; b < BATCH_CHUNK; b++) {
+    if (b >= nb) break;
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(b0 + b) * ldx);
     float4* xo = reinterpret_cast<float4*>(xs + b * K);
     for (int k0 = threadIdx.x; k0 < K4; k0 += NORM_VPT * NTHREADS) {
@@ -261,14 +270,17 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
   block_sum(ss, nb, red);
   prof_mark(a, 4);
   float r[BATCH_CHUNK];
-  for (int b = 0; b < nb; b++) r[b] = rsqrtf(ss[b] / K + a.eps);
+#pragma unroll
+  for (int b = 0; b < BATCH_CHUNK; b++) r[b] = rsqrtf(ss[b] / K + a.eps);
   for (int k0 = threadIdx.x; k0 < K / 8; k0 += 2 * NTHREADS) {
     if (k0 != (int)threadIdx.x) load_w(k0);
 #pragma unroll
     for (int j = 0; j < 2; j++) {
       const int k = k0 + j * NTHREADS;
       if (k >= K / 8) continue;
-      for (int b = 0; b < nb; b++) {
+#pragma unroll
+      for (int b = 0; b < BATCH_CHUNK; b++) {
+        if (b >= nb) break;
         float4* p = reinterpret_cast<float4*>(xs + b * K + 8 * k);
         float4 lo = p[0], hi = p[1];
         lo.x *= r[b] * f[j][0]; lo.y *= r[b] * f[j][1]; lo.z *= r[b] * f[j][2]; lo.w *= r[b] * f[j][3];
