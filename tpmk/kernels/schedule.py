@@ -219,19 +219,14 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
     stages.append([Argmax(tile=t, row0=r, nrows=n, waits=[(lm, tp * len(lm_tiles))], signal=done)
                    for t, (r, n) in enumerate(_tiles(bucket, num_sms, 1))])
 
-    # Round-robin each stage over the SMs, continuing where the last stage stopped; except
-    # that residual tile j goes to the SM of its producer's tile j (embed, o_proj or down: the
-    # same hidden tiles), which is then the first to know that its own partial landed.
+    # Round-robin each stage over the SMs, continuing where the last stage stopped.
     queues: list[list[Instruction]] = [[] for _ in range(num_sms)]
-    nxt = prev_start = 0
+    nxt = 0
     for stage_no, stage in enumerate(stages):
-        aligned = stage[0].name == "residual"
-        start = prev_start if aligned else nxt
-        for k, ins in enumerate(stage):
+        for ins in stage:
             ins.arg4 = stage_no
-            queues[(start + k) % num_sms].append(ins)
-        if not aligned:
-            prev_start, nxt = start, (start + len(stage)) % num_sms
+            queues[nxt].append(ins)
+            nxt = (nxt + 1) % num_sms
     flat, starts = [], [0]
     for q in queues:
         flat += q
