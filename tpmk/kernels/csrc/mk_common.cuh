@@ -14,12 +14,12 @@ typedef float wtype;
 constexpr int NTHREADS = isa::NTHREADS;
 constexpr int NWARPS = NTHREADS / 32;
 
-// The linear ops' entry functions (qkv, o_proj, gate_up, down): a call of their own, or
-// inlined into the instruction loop (MK_OPS_INLINE: one ABI call level fewer before linear()).
-#ifdef MK_OPS_INLINE
-#define LINEAR_OP __forceinline__
-#else
+// The linear ops' entry functions (qkv, o_proj, gate_up, down) are inlined into the
+// instruction loop: one ABI call level fewer before linear() (MK_OPS_CALL: calls, for A/Bs).
+#ifdef MK_OPS_CALL
 #define LINEAR_OP __noinline__
+#else
+#define LINEAR_OP __forceinline__
 #endif
 constexpr int VEC = 16 / sizeof(wtype);   // elements per 16-byte load
 constexpr int BATCH_CHUNK = isa::BATCH_CHUNK;   // batch rows per matvec pass (inputs in smem)
