@@ -4,8 +4,8 @@
 # first (NVRTC, disk cache), then bench/decode.py times each on the GPU alone.
 #   SWEEP_BENCH: bench/decode.py arguments (default: batch 1, ctx 1024, no baseline)
 #   SWEEP_PROFILE=1: a per-instruction trace of each variant, summarized by bench/profile_stats.py
-#   SWEEP_ENV=1: each argument is environment settings instead of macros (one default build), e.g.
-#     SWEEP_ENV=1 bench/tune_sweep.sh "TPMK_SMEM_FULL=1" "" "TPMK_ATTN_CHUNK=32"   (356dbd9's knobs)
+#   SWEEP_ENV=1: each argument is environment settings (NAME=VALUE ...) instead of macros, one
+#     default build for all (for knobs the host code reads)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"

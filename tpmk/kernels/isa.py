@@ -129,10 +129,18 @@ def check_vocab(vocab_size: int) -> None:
                          f"top-TOPK must be real tokens and candidate ids are exact f32")
 
 
-def attn_chunk(head_dim: int, elem_bytes: int) -> int:
+SMALL_ATTN_CHUNK = 64     # attention tokens per chunk for buckets below MMA_MIN_BATCH (see attn_chunk)
+
+
+def attn_chunk(head_dim: int, elem_bytes: int, bucket: int) -> int:
     """Tokens per attention chunk (KernelArgs.attn_chunk): ATTN_CHUNK, fewer where a K chunk
-    would pass ATTN_KV_BYTES (head_dim 256 in bf16, 128 and 256 in f32); a power of two."""
-    return min(ATTN_CHUNK, ATTN_KV_BYTES // (head_dim * elem_bytes))
+    would pass ATTN_KV_BYTES (head_dim 256 in bf16, 128 and 256 in f32); a power of two.
+    Buckets below MMA_MIN_BATCH take SMALL_ATTN_CHUNK: there the K/V ring is the largest user
+    of shared memory, and what the CTA leaves is L1 for the stack frames. 70B tp=8 rank,
+    H200, batch 1 / 2 at ctx 1024: 8.80 / 9.10 ms with 64 tokens, 9.04-9.23 / 9.48-9.67 with
+    128 (ctx 4096 within noise; 32 tokens were slower there: 10.16 vs 9.80 ms)."""
+    chunk = SMALL_ATTN_CHUNK if bucket < MMA_MIN_BATCH else ATTN_CHUNK
+    return min(chunk, ATTN_KV_BYTES // (head_dim * elem_bytes))
 
 
 def header_offsets(bucket: int) -> tuple[int, int, int]:
@@ -186,7 +194,7 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("kmax", I32, 1),             # shared memory: BATCH_CHUNK * kmax f32 inputs, then outputs
     ("stop_after", I32, 1),       # debug: skip instructions whose stage (ARG4) > this; -1 off
     ("eps", F32, 1), ("attn_scale", F32, 1),
-    ("attn_chunk", I32, 1),       # attention tokens per chunk: attn_chunk(head_dim, dtype size)
+    ("attn_chunk", I32, 1),       # attention tokens per chunk: attn_chunk(head_dim, dtype size, bucket)
 ]   # an even count of 4-byte members: no tail padding
 
 _CTYPE = {PTR: ctypes.c_uint64, I32: ctypes.c_int32, F32: ctypes.c_float, I64: ctypes.c_int64}

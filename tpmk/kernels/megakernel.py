@@ -10,7 +10,6 @@ Buffers mirror the interpreter's `RankState`; the kernel arguments are
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -49,12 +48,6 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
     return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
 
 
-def attn_chunk(D: int, itemsize: int) -> int:
-    """isa.attn_chunk, or fewer tokens where TPMK_ATTN_CHUNK (an A/B knob) says so."""
-    c = isa.attn_chunk(D, itemsize)
-    return min(c, int(os.environ.get("TPMK_ATTN_CHUNK", c)))
-
-
 def out_words(sched: Schedule) -> int:
     """f32 words per batch row after linear()'s inputs: its outputs ([rows] of the largest tile)."""
     return max(2 * i.nrows if i.name in ("qkv", "gate_up") else i.nrows
@@ -72,7 +65,7 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype)
     # reuse; then the last split's merge: split weights [G, S] (padded to 4), per-thread float4
     # sums
     row_bytes = D * dtype.itemsize + 16
-    kv = max(attn_chunk(D, dtype.itemsize) * row_bytes, NTHREADS // (G * D // 8) * G * D)
+    kv = max(isa.attn_chunk(D, dtype.itemsize, sched.bucket) * row_bytes, NTHREADS // (G * D // 8) * G * D)
     attn = (max(G * D, 8 * (D + 8)) + G * ATTN_CHUNK + 8 * (ATTN_CHUNK + 8) + ((3 * G + 3) & ~3)
             + 2 * isa.ATTN_PAGES + kv)
     merge = ((G * sched.num_splits + 3) & ~3) + 4 * max(NTHREADS, G * D // 4)
@@ -80,10 +73,11 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype)
     linear = min(BATCH_CHUNK, sched.bucket) * (kmax + out_words(sched))
     topk = 2 * NWARPS * isa.TOPK                   # argmax.cuh: per-warp (value, id) lists
     words = max(linear, attn, merge - NWARPS * BATCH_CHUNK, topk)
-    if dtype == torch.bfloat16 and sched.bucket >= isa.MMA_MIN_BATCH and not os.environ.get("TPMK_SMEM_FULL"):
+    # Below MMA_MIN_BATCH shared memory is sized to the bucket and the rest is L1 (the
+    # carve-out hint in Megakernel): batch 1 at ctx 1024 of the 70B tp=8 rank, H200, 9.36 /
+    # 9.40 ms against 9.84 with the tensor-core words at every bucket (same run, 2026-12-06).
+    if dtype == torch.bfloat16 and sched.bucket >= isa.MMA_MIN_BATCH:
         words = max(words, MMA_SMEM_WORDS)   # the tensor-core matvec (batch >= MMA_MIN_BATCH)
-    if os.environ.get("TPMK_SMEM_FULL"):   # A/B knob: as before (the most any bucket needs)
-        words = max(words, MMA_SMEM_WORDS, BATCH_CHUNK * (kmax + out_words(sched)))
     return 4 * (NWARPS * BATCH_CHUNK + words)
 
 
@@ -225,7 +219,7 @@ class Megakernel:
             a.num_splits, a.n_lm_tiles, a.n_h_tiles = sched.num_splits, sched.n_lm_tiles, sched.n_h_tiles
             a.num_instructions, a.kmax, a.stop_after = len(sched.instructions), kmax, -1
             a.eps, a.attn_scale = cfg.rms_norm_eps, D ** -0.5
-            a.attn_chunk = attn_chunk(D, dtype.itemsize)
+            a.attn_chunk = isa.attn_chunk(D, dtype.itemsize, B)
         self._upload_args()
         cubin = compile_megakernel(dtype, defines=defines)
         self.module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
@@ -240,13 +234,12 @@ class Megakernel:
         _check(cu.cuFuncSetAttribute(
             self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             self.smem), "cuFuncSetAttribute")
-        carve = int(os.environ.get("TPMK_CARVEOUT", "-2"))   # A/B knob: a percentage, -1: no hint
-        if carve == -2:   # the least carve-out holding the CTA's shared memory: the rest is L1
-            carve = min(100, -(-100 * (self.smem + static + 1024) // (228 * 1024)))
-        if carve >= 0:
-            _check(cu.cuFuncSetAttribute(
-                self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                carve), "cuFuncSetAttribute")
+        # The least carve-out (percent of 228 KB) that holds the CTA's shared memory: the rest
+        # is L1. A 100 % carve-out was slower at batch 1 (9.56 vs 9.04-9.23 ms, H200).
+        carve = min(100, -(-100 * (self.smem + static + 1024) // (228 * 1024)))
+        _check(cu.cuFuncSetAttribute(
+            self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            carve), "cuFuncSetAttribute")
         self.n_local, self.epoch, self.batch = n_local, 0, 0
 
     def close(self) -> None:
