@@ -97,7 +97,7 @@ def test_attention_split_extremes(splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,heads,kv_heads,tp,splits,batch,dtype", [
-    (128, 64, 8, 8, 1, 3, "bfloat16"),   # Llama-3-70B's per-rank group (G = 8, D = 128), up to 6 chunks
+    (128, 64, 8, 8, 1, 3, "bfloat16"),   # Llama-3-70B's per-rank group (G = 8, D = 128), up to 12 chunks of 64
     (128, 64, 8, 8, 3, 6, "bfloat16"),   # 3 splits, tensor-core batch
     (64, 16, 4, 1, 0, 2, "bfloat16"),    # G = 4, D = 64, splits chosen by the scheduler
     (64, 32, 8, 2, 2, 5, "bfloat16"),
@@ -341,6 +341,24 @@ def test_llama_70b_rank_fits_the_h200_shared_memory():
     kmax, smem = check_shapes(cfg, build_schedule(cfg, 8, 128, 132), torch.bfloat16)
     assert kmax == cfg.hidden_size == 8192
     assert smem == 4 * (isa.NWARPS * isa.BATCH_CHUNK + isa.MMA_SMEM_WORDS) <= SMEM_LIMIT
+
+
+def test_small_buckets_leave_shared_memory_to_l1():
+    """Below MMA_MIN_BATCH the 70B rank's shared memory is sized to the bucket (no tensor-core
+    words; linear() inputs of min(BATCH_CHUNK, bucket) rows of K = 8192 f32) and attention
+    takes 64-token chunks, so at batch 1 at least 128 KB of the SM's 228 KB stay L1 for the
+    stack frames (the carve-out hint). Batch 1 at ctx 1024 on an H200: 9.36 ms sized by
+    bucket, 9.84 with the tensor-core words at every bucket (bench/decode.py, 2026-12-06)."""
+    from tpmk.kernels import isa
+    from tpmk.kernels.megakernel import check_shapes
+    cfg = ModelConfig.from_name("llama-3-70b")
+    smem = {b: check_shapes(cfg, build_schedule(cfg, 8, b, 132), torch.bfloat16)[1]
+            for b in (1, 4, isa.MMA_MIN_BATCH, 128)}
+    assert smem[1] <= 100 * 1024 and 228 * 1024 - smem[1] >= 128 * 1024
+    assert smem[1] >= 4 * 8192 * 1   # at least the one input row
+    assert smem[4] >= 4 * 8192 * 4 and smem[4] < smem[isa.MMA_MIN_BATCH] == smem[128]
+    assert [isa.attn_chunk(128, 2, b) for b in (1, 4, 5, 128)] == [64, 64, 128, 128]
+    assert isa.attn_chunk(256, 2, 128) == 64 and isa.attn_chunk(256, 4, 1) == 32   # ATTN_KV_BYTES
 
 
 def test_profile_trace_events_without_gpu():
