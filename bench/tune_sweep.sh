@@ -6,26 +6,40 @@
 #   SWEEP_PROFILE=1: a per-instruction trace of each variant, summarized by bench/profile_stats.py
 #   SWEEP_ENV=1: each argument is environment settings (NAME=VALUE ...) instead of macros, one
 #     default build for all (for knobs the host code reads)
+#   A variant "@REV" times another tree's default build in the same call (a baseline): before
+#   the device call, `git archive REV tpmk bench -o ab_REV.tar` at the repository root
+#   (untracked, so it travels with the working tree; delete it afterwards).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"
 export PYTHONPATH=. TPMK_CACHE=/tmp/mkcache NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 t0=$(date +%s)
-builds=("$@"); [ -n "${SWEEP_ENV:-}" ] && builds=("")   # env variants share the default build
-for v in "${builds[@]}"; do
-  python3 -c "import sys, torch; from tpmk.kernels.megakernel import compile_megakernel as c
-c(torch.bfloat16, defines=tuple(sys.argv[1:]))" $v &
+BUILD="import sys, torch; from tpmk.kernels.megakernel import compile_megakernel as c
+c(torch.bfloat16, defines=tuple(sys.argv[1:]))"
+tree() { echo "/tmp/ab_${1#@}"; }   # where variant @REV's tree is unpacked
+builds=()
+for v in "$@"; do
+  if [[ $v == @* ]]; then   # another tree: unpacked, built there with its own cache
+    [ -f "ab_${v#@}.tar" ] || { echo "missing ab_${v#@}.tar: git archive ${v#@} tpmk bench -o ab_${v#@}.tar"; exit 2; }
+    mkdir -p "$(tree "$v")" && tar -xf "ab_${v#@}.tar" -C "$(tree "$v")"
+    (cd "$(tree "$v")" && PYTHONPATH=. TPMK_CACHE=$(tree "$v")/cache python3 -c "$BUILD") &
+  elif [ -z "${SWEEP_ENV:-}" ]; then builds+=("$v")
+  fi
 done
+[ -n "${SWEEP_ENV:-}" ] && builds=("")   # env variants share the default build
+for v in "${builds[@]}"; do python3 -c "$BUILD" $v & done
 wait
 echo "== ${#builds[@]} builds for ${#@} variants in $(( $(date +%s) - t0 )) s"
 i=0
 for v in "$@"; do
   i=$((i + 1))
   echo "== variant $i: ${v:-default}"
-  macros=$v; [ -n "${SWEEP_ENV:-}" ] && macros=""
-  env ${SWEEP_ENV:+$v} timeout ${BENCH_TIMEOUT:-120} python3 bench/decode.py \
+  macros=$v; envs=""; dir=.
+  [ -n "${SWEEP_ENV:-}" ] && macros="" envs=$v
+  [[ $v == @* ]] && macros="" envs="TPMK_CACHE=$(tree "$v")/cache" dir=$(tree "$v")
+  (cd "$dir" && env PYTHONPATH=. $envs timeout ${BENCH_TIMEOUT:-120} python3 bench/decode.py \
     ${SWEEP_BENCH:---batch 1 --ctx 1024 --no-baseline --iters 5} \
-    ${macros:+--define $macros} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3
+    ${macros:+--define $macros} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3)
 done
 for t in "$OUT"/trace*.json; do
   [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t" --starts | sed -n 1,24p
