@@ -43,11 +43,8 @@ MMA_PASS = 128            # tensor-core matvec: batch rows per pass (n-tiles of 
                           # each weight tile once
 MMA_KC1 = 4096            # tensor-core K chunk with one n-tile; with NT n-tiles it is MMA_KC1 / NT
 # mk_mma.cuh's shared memory in f32 words: [MMA_PASS] sums of squares, two chunk buffers of
-# MMA_PASS rows x (KC + 32) bf16 (KC = MMA_KC1 / (MMA_PASS / 8)), then the staged outputs:
-# at most MMA_OUT_WORDS, fewer at small buckets (KernelArgs.mma_out_words).
-MMA_OUT_AT = MMA_PASS + 2 * MMA_PASS * (MMA_KC1 * 8 // MMA_PASS + 32) // 2
-MMA_OUT_WORDS = MMA_PASS * 128
-MMA_SMEM_WORDS = MMA_OUT_AT + MMA_OUT_WORDS
+# MMA_PASS rows x (KC + 32) bf16 (KC = MMA_KC1 / (MMA_PASS / 8)), staged outputs [MMA_PASS][128].
+MMA_SMEM_WORDS = MMA_PASS + 2 * MMA_PASS * (MMA_KC1 * 8 // MMA_PASS + 32) // 2 + MMA_PASS * 128
 
 
 class Opcode(enum.IntEnum):
@@ -198,8 +195,6 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("stop_after", I32, 1),       # debug: skip instructions whose stage (ARG4) > this; -1 off
     ("eps", F32, 1), ("attn_scale", F32, 1),
     ("attn_chunk", I32, 1),       # attention tokens per chunk: attn_chunk(head_dim, dtype size, bucket)
-    ("smem_words", I32, 1),       # dynamic shared memory, f32 words (megakernel.smem_bytes / 4)
-    ("mma_out_words", I32, 1),    # tensor-core matvec's staged outputs (megakernel.mma_out_words)
 ]   # an even count of 4-byte members: no tail padding
 
 _CTYPE = {PTR: ctypes.c_uint64, I32: ctypes.c_int32, F32: ctypes.c_float, I64: ctypes.c_int64}
@@ -237,8 +232,6 @@ def generate_header() -> str:
         f"constexpr int ATTN_PAGES = {ATTN_PAGES};",
         f"constexpr int MMA_PASS = {MMA_PASS};",
         f"constexpr int MMA_KC1 = {MMA_KC1};",
-        f"constexpr int MMA_OUT_AT = {MMA_OUT_AT};",
-        f"constexpr int MMA_OUT_WORDS = {MMA_OUT_WORDS};",
         f"constexpr int MMA_SMEM_WORDS = {MMA_SMEM_WORDS};",
         f"constexpr int HDR_TOKENS = {int(HeaderField.TOKENS)};",
     ]

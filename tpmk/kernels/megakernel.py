@@ -16,7 +16,7 @@ import torch
 
 from tpmk.config import ModelConfig
 from tpmk.kernels import isa
-from tpmk.kernels.isa import ATTN_CHUNK, BATCH_CHUNK, NTHREADS, NWARPS
+from tpmk.kernels.isa import ATTN_CHUNK, BATCH_CHUNK, MMA_SMEM_WORDS, NTHREADS, NWARPS
 from tpmk.rope import rope_inv_freq
 from tpmk.kernels.schedule import Schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
@@ -54,14 +54,6 @@ def out_words(sched: Schedule) -> int:
                for i in sched.instructions if i.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
 
 
-def mma_out_words(sched: Schedule) -> int:
-    """f32 words of the tensor-core matvec's staged outputs (KernelArgs.mma_out_words): the
-    bucket's rows (rounded up to an n-tile of 8) times the tallest tile, so every tile passes
-    the bucket at once up to MMA_OUT_WORDS (mk_mma.cuh: mma_pass_rows)."""
-    rows = max(8, -(-min(sched.bucket, isa.MMA_PASS) // 8) * 8)
-    return min(isa.MMA_OUT_WORDS, rows * out_words(sched))
-
-
 def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype) -> int:
     """The least dynamic shared memory the ops need; the kernel is launched with it."""
     hq, hkv = local_heads(cfg, sched.tp)
@@ -81,12 +73,11 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype)
     linear = min(BATCH_CHUNK, sched.bucket) * (kmax + out_words(sched))
     topk = 2 * NWARPS * isa.TOPK                   # argmax.cuh: per-warp (value, id) lists
     words = max(linear, attn, merge - NWARPS * BATCH_CHUNK, topk)
-    # Shared memory is sized to the bucket and the rest is L1 (the carve-out hint in
-    # Megakernel). Below MMA_MIN_BATCH: batch 1 at ctx 1024 of the 70B tp=8 rank, H200, 9.36 /
+    # Below MMA_MIN_BATCH shared memory is sized to the bucket and the rest is L1 (the
+    # carve-out hint in Megakernel): batch 1 at ctx 1024 of the 70B tp=8 rank, H200, 9.36 /
     # 9.40 ms against 9.84 with the tensor-core words at every bucket (same run, 2026-12-06).
     if dtype == torch.bfloat16 and sched.bucket >= isa.MMA_MIN_BATCH:
-        # the tensor-core matvec: its chunk buffers, then the bucket's staged outputs
-        words = max(words, isa.MMA_OUT_AT + mma_out_words(sched))
+        words = max(words, MMA_SMEM_WORDS)   # the tensor-core matvec (batch >= MMA_MIN_BATCH)
     return 4 * (NWARPS * BATCH_CHUNK + words)
 
 
@@ -229,7 +220,6 @@ class Megakernel:
             a.num_instructions, a.kmax, a.stop_after = len(sched.instructions), kmax, -1
             a.eps, a.attn_scale = cfg.rms_norm_eps, D ** -0.5
             a.attn_chunk = isa.attn_chunk(D, dtype.itemsize, B)
-            a.smem_words, a.mma_out_words = self.smem // 4, mma_out_words(sched)
         self._upload_args()
         cubin = compile_megakernel(dtype, defines=defines)
         self.module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")

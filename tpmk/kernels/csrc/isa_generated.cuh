@@ -16,8 +16,6 @@ constexpr int ATTN_CHUNK = 128;
 constexpr int ATTN_PAGES = 132;
 constexpr int MMA_PASS = 128;
 constexpr int MMA_KC1 = 4096;
-constexpr int MMA_OUT_AT = 36992;
-constexpr int MMA_OUT_WORDS = 16384;
 constexpr int MMA_SMEM_WORDS = 53376;
 constexpr int HDR_TOKENS = 4;
 constexpr int OP_NOP = 0;
@@ -126,7 +124,5 @@ struct KernelArgs {
   float eps;
   float attn_scale;
   int attn_chunk;
-  int smem_words;
-  int mma_out_words;
 };
-static_assert(sizeof(KernelArgs) == 792, "KernelArgs drifted from isa.py");
+static_assert(sizeof(KernelArgs) == 784, "KernelArgs drifted from isa.py");

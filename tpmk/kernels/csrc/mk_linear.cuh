@@ -6,15 +6,15 @@
 #include "mk_mma.cuh"
 
 // Batch rows per linear() call for a tile of nrows outputs.
-__device__ __forceinline__ int linear_chunk(const KernelArgs& a, int batch, int nrows) {
+__device__ __forceinline__ int linear_chunk(int batch, int nrows) {
 #ifdef MK_HAS_MMA
-  if (mma_batch(batch)) return mma_pass_rows(a, nrows);
+  if (mma_batch(batch)) return mma_pass_rows(nrows);
 #endif
   return BATCH_CHUNK;
 }
 
 // Returns outs [nb][nrows]: outs[b * nrows + r] = W[row(r)] . xin(b0 + b) for b < nb <=
-// linear_chunk(a, batch, nrows). Ends with __syncthreads(): outs is readable by every thread
+// linear_chunk(batch, nrows). Ends with __syncthreads(): outs is readable by every thread
 // (and writable until the caller's next __syncthreads()).
 __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int b0, int nb, int nrows,
                          const XSrc& src, const RowMap& row, float* smem) {
@@ -47,7 +47,7 @@ __device__ __forceinline__ void linear_push(const KernelArgs& a, const int* ins,
   if (batch > 0) prof_mark(a, 7);   // after the header's batch word landed
   Tile tile;
   linear_tile(a, ins, op, tile);
-  const int c0 = ins[isa::F_ROW0], n = tile.nrows, chunk = linear_chunk(a, batch, n);
+  const int c0 = ins[isa::F_ROW0], n = tile.nrows, chunk = linear_chunk(batch, n);
   const bool rs = ins[isa::F_SIGNAL_PEERS] & isa::SIG_OWNER;
   const int p0 = rs ? owner_rank(a, ins) : 0, p1 = rs ? p0 + 1 : a.tp;
   for (int b0 = 0; b0 < batch; b0 += chunk) {

@@ -16,7 +16,7 @@ __device__ LINEAR_OP void op_gate_up(const KernelArgs& a, const int* ins, const 
   __nv_bfloat16* act_bf = reinterpret_cast<__nv_bfloat16*>(a.act_bf);   // for down's tensor cores
   const bool mma = mma_batch(batch);
   const int n4 = n / 4;   // tiles are multiples of 4 columns (schedule) and I of 8 (host-checked)
-  const int chunk = linear_chunk(a, batch, 2 * n);
+  const int chunk = linear_chunk(batch, 2 * n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
     const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, tile.rows, smem);   // [nb, 2n]

@@ -15,7 +15,7 @@ __device__ __noinline__ void op_lm_head(const KernelArgs& a, const int* ins, con
   const XSrc src = normed_x(a, reinterpret_cast<const wtype*>(a.final_norm));
   float* logits = reinterpret_cast<float*>(a.logits);
   const int gid0 = a.rank * a.vocab_local + r0;
-  const int chunk = linear_chunk(a, batch, n);
+  const int chunk = linear_chunk(batch, n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
     float* outs = linear(a, batch, H, b0, nb, n, src, wt.rows, smem);   // [nb, n]

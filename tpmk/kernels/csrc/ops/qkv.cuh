@@ -15,7 +15,7 @@ __device__ LINEAR_OP void op_qkv(const KernelArgs& a, const int* ins, const int*
   linear_tile(a, ins, isa::OP_QKV, tile);   // rows p0 + i, then half + p0 + i, of this head
   const XSrc src = normed_x(a, reinterpret_cast<const wtype*>(a.input_norm) + (size_t)l * H);
   const float* inv_freq = reinterpret_cast<const float*>(a.rope_inv_freq);
-  const int chunk = linear_chunk(a, batch, 2 * n);
+  const int chunk = linear_chunk(batch, 2 * n);
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
     const float* outs = linear(a, batch, H, b0, nb, 2 * n, src, tile.rows, smem);   // [nb, 2n]
