@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -42,6 +43,18 @@ def checkpoint_dir(cfg: ModelConfig, root: str) -> str:
         make_checkpoint(cfg, d)
         print(f"checkpoint {d} written in {time.time() - t0:.0f} s")
     return str(d)
+
+
+def check_fits_cpu(cfg: ModelConfig, free_bytes: int) -> None:
+    """Without GPUs the ranks' shards together hold every weight in float32: refuse a shape
+    that cannot fit in `free_bytes` before writing its checkpoint (the rank processes would
+    be killed by the out-of-memory killer minutes later)."""
+    need = 4 * cfg.num_parameters
+    if need > free_bytes:
+        raise SystemExit(f"--config {cfg.name} with {cfg.num_hidden_layers} layers runs on the CPU in "
+                         f"float32 and needs ~{need / 1e9:.0f} GB, {free_bytes / 1e9:.0f} GB are free: "
+                         f"on a machine without tp GPUs use a small shape, e.g. --config tiny "
+                         f"--device cpu --engines reference interpreter (or fewer --layers)")
 
 
 def time_engine(model_dir: str, runtime: RuntimeConfig, launcher: str, batches: list[int],
@@ -99,6 +112,8 @@ def main() -> None:
         cfg = cfg.replace(num_hidden_layers=min(args.layers, cfg.num_hidden_layers))
     on_gpu = args.device != "cpu" and torch.cuda.is_available()
     cfg = cfg.replace(dtype="bfloat16" if on_gpu else "float32")
+    if not on_gpu:
+        check_fits_cpu(cfg, os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     model_dir = checkpoint_dir(cfg, args.ckpt)
     rows = []
     for engine in args.engines:

@@ -71,6 +71,7 @@ def test_local_rank_sigkill_is_an_error_not_a_hang(tiny_dir):
         client.execute(Decode(tokens=[4, 4], positions=[3, 3], pages=[[0], [1]],
                               sampling=[SamplingParams()] * 2))
     assert err.value.rank == 1 and "died" in str(err.value) and "-9" in str(err.value)
+    assert "SIGKILL" in str(err.value) and "out-of-memory" in str(err.value)
     assert time.monotonic() - t0 < 15
     assert _alive(pids) == []
     with pytest.raises(RuntimeError, match="closed"):

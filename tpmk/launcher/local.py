@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -48,6 +49,19 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
         conn.send(("ok", result if spec.rank == 0 else None))
         if isinstance(cmd, Shutdown):
             return
+
+
+def exit_status(code: int | None) -> str:
+    """A dead rank's exit code for an error message: a signal by name, SIGKILL with its usual
+    cause (the kernel's out-of-memory killer)."""
+    if code is None or code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"exit code {code}"
+    hint = ": the out-of-memory killer, or a kill -9" if -code == signal.SIGKILL else ""
+    return f"exit code {code}, {name}{hint}"
 
 
 class LocalClient:
@@ -126,7 +140,7 @@ class LocalClient:
                 if kind == "error":
                     raise_error_record(payload)
                 raise WorkerError(r, f"process {proc.pid} died during {what} "
-                                  f"(exit code {proc.exitcode}); all ranks were killed")
+                                  f"({exit_status(proc.exitcode)}); all ranks were killed")
         return [replies[r] for r in range(self.world_size)]
 
     def execute(self, cmd: Command) -> StepResult:
@@ -141,8 +155,8 @@ class LocalClient:
                 conn.send(cmd)
             except (BrokenPipeError, OSError):
                 self._kill_all()
-                raise WorkerError(r, f"process {self.procs[r].pid} is gone (exit code "
-                                  f"{self.procs[r].exitcode}); all ranks were killed") from None
+                raise WorkerError(r, f"process {self.procs[r].pid} is gone "
+                                  f"({exit_status(self.procs[r].exitcode)}); all ranks were killed") from None
         return self._gather(type(cmd).__name__)[0]
 
     def close(self) -> None:
