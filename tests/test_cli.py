@@ -122,6 +122,7 @@ def test_help_lists_commands_and_flags(capsys):
     (["--profile", "t.json"], "--profile needs --engine megakernel"),
     (["--reduce", "rsag"], "--reduce rsag needs --engine interpreter or megakernel"),
     (["--reduce", "ring"], "'ring'"),
+    (["--engine", "megakernel"], "needs a CUDA GPU"),   # refused by the rank, no traceback
 ])
 def test_errors_name_the_bad_value(capsys, args, expected):
     try:

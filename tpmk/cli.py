@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
 import sys
 import time
 
@@ -137,11 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A rank's start-up failure from the exception classes main() treats as input errors.
+INPUT_ERROR = re.compile(r"start-up failed: (ValueError|FileNotFoundError): ")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
     except WorkerError as e:
+        if INPUT_ERROR.match(e.message) and not os.environ.get("TPMK_TRACEBACK"):
+            # a rank refused its input (a wrong flag or checkpoint): the message says it all
+            print(f"tpmk: error: rank {e.rank}: {e.message}\n(TPMK_TRACEBACK=1 shows the rank's "
+                  f"traceback)", file=sys.stderr)
+            return 2
         print(f"tpmk: error: {e}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
