@@ -91,8 +91,8 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 // Tuning probe, compiled out by default: with -DMK_PROF_MARK=N the profile's start stamp of
 // the running instruction moves to point N: 6 after the barrier that follows the dependency
 // wait, 7 a linear op's entry once its header word landed; in the CUDA-core linear(): 5 its
-// entry, 3 this thread's normed inputs stored, 1 all of them in shared memory, 2 the matvec
-// done. Traces of one build per point split a tile's time (bench/tune_sweep.sh).
+// entry, 3 the inputs loaded, 4 their sums of squares reduced, 1 the normed inputs in shared
+// memory, 2 the matvec done. Traces of one build per point split a tile's time (bench/tune_sweep.sh).
 __device__ __forceinline__ int& prof_instr() {
   __shared__ int i;
   return i;
@@ -223,102 +223,72 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, floa
                                                    bf2_bits(__floats2bfloat162_rn(v.z, v.w)));
 }
 
-// xs[b][k] = rmsnorm(x[b0 + b]) * w (src.nw null: a plain copy), b < nb, k < K.
-// Latency-bound at batch 1: every load is a 16-byte vector, issued before any is used
-// (K, ldx multiples of 8: host-checked). The RMSNorm's sum of squares of row b is the sum of
-// the residual tiles' partials (src.ssq, written by the residual stage at every batch size),
-// which every warp adds up in the same fixed order: no block reduction, one pass over x.
-constexpr int NORM_VPT = 4;   // plain copy: float4 of x per thread per pass (K <= 8192 in one)
-__device__ void load_normed(const KernelArgs& a, const XSrc& src, int b0, int nb, int K, float* xs) {
-  // Per-row values are indexed by loops unrolled over BATCH_CHUNK only, so they stay in
-  // registers (a runtime index put them in local memory: a reload per use).
-  if (src.nw == nullptr) {
-    const int K4 = K / 4;
-#pragma unroll
-    for (int b = 0; b < BATCH_CHUNK; b++) {
-      if (b >= nb) break;
-      const float4* xr = reinterpret_cast<const float4*>(src.x + (size_t)(b0 + b) * src.ldx);
-      float4* xo = reinterpret_cast<float4*>(xs + b * K);
-      for (int k0 = threadIdx.x; k0 < K4; k0 += NORM_VPT * NTHREADS) {
-        float4 v[NORM_VPT];
-#pragma unroll
-        for (int j = 0; j < NORM_VPT; j++)
-          v[j] = k0 + j * NTHREADS < K4 ? __ldcg(xr + k0 + j * NTHREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int j = 0; j < NORM_VPT; j++)
-          if (k0 + j * NTHREADS < K4) xo[k0 + j * NTHREADS] = v[j];
-      }
-    }
-    prof_mark(a, 3);
-    __syncthreads();
-    return;
-  }
-  const int lane = threadIdx.x & 31;
-  float r[BATCH_CHUNK] = {0.f, 0.f, 0.f, 0.f};   // lane partials, then rsqrt(mean(x^2) + eps)
+// xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K.
+// Latency-bound at batch 1: every load is a 16-byte vector and all of a thread's
+// loads of a pass are issued before any is used (K, ldx multiples of 8: host-checked).
+constexpr int NORM_VPT = 4;   // float4 of x per thread per pass (K <= 8192 in one pass)
+__device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0, int nb, int K,
+                            const wtype* w, float* xs, float* red) {
+  // Per-row arrays (ss, r) are indexed by loops unrolled over BATCH_CHUNK only, so they stay
+  // in registers (a runtime index put them in local memory: a reload per use).
+  float ss[BATCH_CHUNK] = {0.f, 0.f, 0.f, 0.f};
+  const int K4 = K / 4;
 #pragma unroll
   for (int b = 0; b < BATCH_CHUNK; b++) {
     if (b >= nb) break;
-    const float* p = src.ssq + (size_t)(b0 + b) * src.nss;
-    for (int j = lane; j < src.nss; j += 32) r[b] += ld_act(p + j);
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(b0 + b) * ldx);
+    float4* xo = reinterpret_cast<float4*>(xs + b * K);
+    for (int k0 = threadIdx.x; k0 < K4; k0 += NORM_VPT * NTHREADS) {
+      float4 v[NORM_VPT];
+#pragma unroll
+      for (int j = 0; j < NORM_VPT; j++)
+        v[j] = k0 + j * NTHREADS < K4 ? __ldcg(xr + k0 + j * NTHREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < NORM_VPT; j++) {
+        if (k0 + j * NTHREADS < K4) xo[k0 + j * NTHREADS] = v[j];
+        ss[b] += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+      }
+    }
   }
-  // Norm weights, 16 bytes = 8 per load, for this thread's columns 8k..8k+7 (k = k0 + j NTHREADS).
+  prof_mark(a, 3);
+  if (w == nullptr) { __syncthreads(); return; }
+  // Norm weights (16 bytes = 8 per load): the first pass's loads overlap the block reduction.
   float f[2][8];
   auto load_w = [&](int k0) {
 #pragma unroll
     for (int j = 0; j < 2; j++) {
       const int k = k0 + j * NTHREADS;
       if constexpr (sizeof(wtype) == 2) {
-        unpack(k < K / 8 ? __ldg(reinterpret_cast<const uint4*>(src.nw) + k) : make_uint4(0, 0, 0, 0), f[j]);
+        unpack(k < K / 8 ? __ldg(reinterpret_cast<const uint4*>(w) + k) : make_uint4(0, 0, 0, 0), f[j]);
       } else {
 #pragma unroll
-        for (int e = 0; e < 8; e++) f[j][e] = k < K / 8 ? to_f(src.nw[8 * k + e]) : 0.f;
+        for (int e = 0; e < 8; e++) f[j][e] = k < K / 8 ? to_f(w[8 * k + e]) : 0.f;
       }
     }
   };
-  // Row 0's first columns and their weights in flight while every lane sums the partials.
-  float4 x0[2][2];
-  const float4* xr0 = reinterpret_cast<const float4*>(src.x + (size_t)b0 * src.ldx);
-#pragma unroll
-  for (int j = 0; j < 2; j++) {
-    const int k = threadIdx.x + j * NTHREADS;
-    const bool ok = k < K / 8;
-    x0[j][0] = ok ? __ldcg(xr0 + 2 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
-    x0[j][1] = ok ? __ldcg(xr0 + 2 * k + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
   load_w(threadIdx.x);
+  block_sum(ss, nb, red);
+  prof_mark(a, 4);
+  float r[BATCH_CHUNK];
 #pragma unroll
-  for (int b = 0; b < BATCH_CHUNK; b++) {
-    if (b >= nb) break;
-    r[b] = rsqrtf(warp_sum(r[b]) / K + a.eps);
-  }
+  for (int b = 0; b < BATCH_CHUNK; b++) r[b] = rsqrtf(ss[b] / K + a.eps);
   for (int k0 = threadIdx.x; k0 < K / 8; k0 += 2 * NTHREADS) {
-    const bool first = k0 == (int)threadIdx.x;
-    if (!first) load_w(k0);
+    if (k0 != (int)threadIdx.x) load_w(k0);
 #pragma unroll
-    for (int b = 0; b < BATCH_CHUNK; b++) {
-      if (b >= nb) break;
-      const float4* xr = reinterpret_cast<const float4*>(src.x + (size_t)(b0 + b) * src.ldx);
-      float4 v[2][2];
+    for (int j = 0; j < 2; j++) {
+      const int k = k0 + j * NTHREADS;
+      if (k >= K / 8) continue;
 #pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int k = k0 + j * NTHREADS;
-        const bool ok = k < K / 8;
-        v[j][0] = b == 0 && first ? x0[j][0] : ok ? __ldcg(xr + 2 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
-        v[j][1] = b == 0 && first ? x0[j][1] : ok ? __ldcg(xr + 2 * k + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int k = k0 + j * NTHREADS;
-        if (k >= K / 8) continue;
-        float4 lo = v[j][0], hi = v[j][1];
+      for (int b = 0; b < BATCH_CHUNK; b++) {
+        if (b >= nb) break;
+        float4* p = reinterpret_cast<float4*>(xs + b * K + 8 * k);
+        float4 lo = p[0], hi = p[1];
         lo.x *= r[b] * f[j][0]; lo.y *= r[b] * f[j][1]; lo.z *= r[b] * f[j][2]; lo.w *= r[b] * f[j][3];
         hi.x *= r[b] * f[j][4]; hi.y *= r[b] * f[j][5]; hi.z *= r[b] * f[j][6]; hi.w *= r[b] * f[j][7];
-        float4* o = reinterpret_cast<float4*>(xs + b * K + 8 * k);
-        o[0] = lo; o[1] = hi;
+        p[0] = lo; p[1] = hi;
       }
     }
   }
-  prof_mark(a, 3);
   __syncthreads();
 }
 

@@ -1,8 +1,8 @@
 // residual: must match tpmk/kernels/ops/residual.py (Residual).
 // x[b, cols] (+)= slot[0] + slot[1] + ... + slot[tp-1], fixed rank order (bit-identical ranks).
 // All-gather form (OWNER bit; runs on the owner only): the result also goes to every peer's x.
-// It also writes the tile's sum of x^2 per row (xn_ssq) for the next RMSNorm, and at batch >=
-// MMA_MIN_BATCH that norm's tensor-core input: x times the norm's weight in bf16 (xn).
+// At batch >= MMA_MIN_BATCH it also prepares the next RMSNorm's tensor-core input: x times
+// that norm's weight in bf16 (xn) and the tile's sum of x^2 per row (xn_ssq).
 #pragma once
 #include "mk_common.cuh"
 
@@ -42,31 +42,14 @@ __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, co
     for (int p = p0; p < p1; p++) *reinterpret_cast<float4*>(reinterpret_cast<float*>(a.peer_x[p]) + off) = acc;
     return acc;
   };
-  // The row's sum of squares over this tile: sw lanes per row (a power of two), 32 / sw rows
-  // per warp, summed in fixed order (the next RMSNorm adds the tiles' partials, xn_ssq).
-  int sw = 1;
-  while (sw < n4 && sw < 32) sw <<= 1;
-  const int sub = lane / sw, cl = lane % sw, ri = NWARPS * (32 / sw);   // rows per block sweep
-  auto put_ssq = [&](int b, float sq) {
-    for (int o = sw / 2; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);   // fixed order
-    if (cl == 0 && b < batch)
-      for (int p = p0; p < p1; p++) reinterpret_cast<float*>(a.peer_xn_ssq[p])[(size_t)b * a.n_h_tiles + tile] = sq;
-  };
   if (!mma) {   // a thread per float4, every rank's partial (+ x) in one round trip
-    for (int bw = (threadIdx.x >> 5) * (32 / sw); bw < batch; bw += ri) {
-      const int b = bw + sub;
-      float sq = 0.f;
-      for (int c = cl; c < n4 && b < batch; c += sw) {
-        const size_t off = (size_t)b * a.hidden + c0 + 4 * c;
-        float4 v[isa::MAX_TP];
+    for (int idx = threadIdx.x; idx < batch * n4; idx += NTHREADS) {
+      const size_t off = (size_t)(idx / n4) * a.hidden + c0 + 4 * (idx % n4);
+      float4 v[isa::MAX_TP];
 #pragma unroll
-        for (int r = 0; r < isa::MAX_TP; r++)
-          if (r < a.tp) v[r] = __ldcg(reinterpret_cast<const float4*>(slots + r * plane + off));
-        const float4 acc = finish(off, v, 1, set ? make_float4(0.f, 0.f, 0.f, 0.f)
-                                                  : __ldcg(reinterpret_cast<const float4*>(x + off)));
-        sq += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
-      }
-      put_ssq(b, sq);
+      for (int r = 0; r < isa::MAX_TP; r++)
+        if (r < a.tp) v[r] = __ldcg(reinterpret_cast<const float4*>(slots + r * plane + off));
+      finish(off, v, 1, set ? make_float4(0.f, 0.f, 0.f, 0.f) : __ldcg(reinterpret_cast<const float4*>(x + off)));
     }
     return;
   }
@@ -74,6 +57,9 @@ __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, co
     // Passes of rp rows: the tile's columns of every plane (tp partials, then x unless set)
     // cp.async'd into shared memory, two passes in flight (registers held one row per 16
     // lanes: 4 serial round trips per tile at batch 128). Row stage: planes x n floats.
+    int sw = 1;   // lanes per row (a power of two), 32 / sw rows per warp: the row's sum of squares
+    while (sw < n4 && sw < 32) sw <<= 1;
+    const int sub = lane / sw, cl = lane % sw, ri = NWARPS * (32 / sw);   // rows per block sweep
     const int planes = a.tp + !set, rw = planes * n;
     int rp = min(batch, isa::MMA_SMEM_WORDS / 2 / rw);
     rp = max(1, rp >= ri ? rp / ri * ri : rp);   // whole sweeps where they fit
@@ -108,7 +94,9 @@ __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, co
           const float4 xw = make_float4(acc.x * w01.x, acc.y * w01.y, acc.z * w23.x, acc.w * w23.y);
           for (int p = p0; p < p1; p++) store_bf16x4(reinterpret_cast<__nv_bfloat16*>(a.peer_xn[p]), off, xw);
         }
-        put_ssq(b < pe ? b : batch, sq);
+        for (int o = sw / 2; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);   // fixed order
+        if (cl == 0 && b < pe)
+          for (int p = p0; p < p1; p++) reinterpret_cast<float*>(a.peer_xn_ssq[p])[(size_t)b * a.n_h_tiles + tile] = sq;
       }
       __syncthreads();   // this pass's buffer is read; stage(pass + 2) refills it
     }
