@@ -28,7 +28,6 @@ def test_tp_decode_bench_runs_both_engines_and_they_agree(tmp_path):
     assert "interpreter     3" in run.stdout   # the printed table
 
 
-
 def test_tp_decode_bench_refuses_a_model_that_cannot_fit_the_cpu():
     """The GPU default (an 8-layer Llama-3-70B) on a CPU machine: ~36 GB of float32 shards,
     refused (before any checkpoint is written) on a 24 GB machine, naming the size and a

@@ -5,11 +5,11 @@ import argparse
 import json
 import os
 import random
-import re
 import sys
 import time
 
 from tpmk.engine.api import WorkerError
+from tpmk.engine.worker import INPUT_ERROR
 from tpmk.launcher.launch import add_runtime_args
 
 EPILOG = """examples:
@@ -137,10 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optional_parser(sub, "serve", "tpmk.serve.app", "add_serve_parser",
                          "OpenAI-compatible HTTP server")
     return parser
-
-
-# A rank's start-up failure from the exception classes main() treats as input errors.
-INPUT_ERROR = re.compile(r"start-up failed: (ValueError|FileNotFoundError): ")
 
 
 def main(argv: list[str] | None = None) -> int:

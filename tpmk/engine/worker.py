@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 
@@ -73,6 +74,11 @@ class WorkerSpec:
     def shard_ranks(self) -> list[int]:
         per = self.runtime.tp // self.world_size
         return list(range(self.rank * per, (self.rank + 1) * per))
+
+
+# A rank's start-up failure reads "start-up failed: <exception class>: <message>". Those from
+# the exception classes the CLI treats as bad input (a wrong flag or checkpoint):
+INPUT_ERROR = re.compile(r"start-up failed: (ValueError|FileNotFoundError): ")
 
 
 class Worker:
