@@ -43,8 +43,11 @@ MMA_PASS = 128            # tensor-core matvec: batch rows per pass (n-tiles of 
                           # each weight tile once
 MMA_KC1 = 4096            # tensor-core K chunk with one n-tile; with NT n-tiles it is MMA_KC1 / NT
 # mk_mma.cuh's shared memory in f32 words: [MMA_PASS] sums of squares, two chunk buffers of
-# MMA_PASS rows x (KC + 32) bf16 (KC = MMA_KC1 / (MMA_PASS / 8)), staged outputs [MMA_PASS][128].
-MMA_SMEM_WORDS = MMA_PASS + 2 * MMA_PASS * (MMA_KC1 * 8 // MMA_PASS + 32) // 2 + MMA_PASS * 128
+# MMA_PASS rows x (KC + 32) bf16 (KC = MMA_KC1 / (MMA_PASS / 8)), then the staged outputs
+# [nb][nrows], at most MMA_OUT_WORDS (a pass writes only its nb rows: the host sizes them by bucket).
+MMA_OUT_AT = MMA_PASS + 2 * MMA_PASS * (MMA_KC1 * 8 // MMA_PASS + 32) // 2
+MMA_OUT_WORDS = MMA_PASS * 128
+MMA_SMEM_WORDS = MMA_OUT_AT + MMA_OUT_WORDS
 
 
 class Opcode(enum.IntEnum):
@@ -232,6 +235,8 @@ def generate_header() -> str:
         f"constexpr int ATTN_PAGES = {ATTN_PAGES};",
         f"constexpr int MMA_PASS = {MMA_PASS};",
         f"constexpr int MMA_KC1 = {MMA_KC1};",
+        f"constexpr int MMA_OUT_AT = {MMA_OUT_AT};",
+        f"constexpr int MMA_OUT_WORDS = {MMA_OUT_WORDS};",
         f"constexpr int MMA_SMEM_WORDS = {MMA_SMEM_WORDS};",
         f"constexpr int HDR_TOKENS = {int(HeaderField.TOKENS)};",
     ]

@@ -73,12 +73,30 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype)
     linear = min(BATCH_CHUNK, sched.bucket) * (kmax + out_words(sched))
     topk = 2 * NWARPS * isa.TOPK                   # argmax.cuh: per-warp (value, id) lists
     words = max(linear, attn, merge - NWARPS * BATCH_CHUNK, topk)
-    # Below MMA_MIN_BATCH shared memory is sized to the bucket and the rest is L1 (the
-    # carve-out hint in Megakernel): batch 1 at ctx 1024 of the 70B tp=8 rank, H200, 9.36 /
+    # Shared memory is sized to the bucket and the rest is L1 (the carve-out hint in
+    # Megakernel). Below MMA_MIN_BATCH: batch 1 at ctx 1024 of the 70B tp=8 rank, H200, 9.36 /
     # 9.40 ms against 9.84 with the tensor-core words at every bucket (same run, 2026-12-06).
     if dtype == torch.bfloat16 and sched.bucket >= isa.MMA_MIN_BATCH:
-        words = max(words, MMA_SMEM_WORDS)   # the tensor-core matvec (batch >= MMA_MIN_BATCH)
+        words = max(words, mma_words(sched), residual_words(sched))   # batch >= MMA_MIN_BATCH
     return 4 * (NWARPS * BATCH_CHUNK + words)
+
+
+def mma_words(sched: Schedule) -> int:
+    """The tensor-core matvec's shared memory (mk_mma.cuh) at this bucket: its chunk buffers,
+    then the staged outputs of one pass, nb <= bucket rows of the tallest tile."""
+    return isa.MMA_OUT_AT + min(isa.MMA_OUT_WORDS, sched.bucket * out_words(sched))
+
+
+def residual_words(sched: Schedule) -> int:
+    """residual.cuh's staging at batch >= MMA_MIN_BATCH: two passes of rp <= bucket rows, each
+    the tile's columns of its tp partials (and x unless the stage sets x), rp capped so that
+    both fit MMA_SMEM_WORDS (the kernel's rule, by the bucket's rows)."""
+    words = 0
+    for i in sched.instructions:
+        if i.name == "residual":
+            rw = (sched.tp + (not i.arg1)) * i.nrows
+            words = max(words, 2 * rw * min(sched.bucket, MMA_SMEM_WORDS // 2 // rw))
+    return words
 
 
 def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple[int, int]:

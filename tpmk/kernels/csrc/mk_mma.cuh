@@ -20,9 +20,9 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 constexpr int MMA_PIECES = MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
 // One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
 constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
-constexpr int MMA_OUT_WORDS = MMA_PASS * 128;        // staged outputs [nb][nrows]
+constexpr int MMA_OUT_WORDS = isa::MMA_OUT_WORDS;    // staged outputs [nb][nrows], at most
 constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
-static_assert(MMA_OUT_AT + MMA_OUT_WORDS == isa::MMA_SMEM_WORDS, "isa.MMA_SMEM_WORDS (the host's size) drifted");
+static_assert(MMA_OUT_AT == isa::MMA_OUT_AT, "isa.MMA_OUT_AT (the host's layout) drifted");
 
 // Weight rows through ldg_w<true> (mk_common.cuh): not kept in L1, and a 256-byte
 // L2 fetch: a warp reads each of its 16 rows in 64-byte pieces, one per k block, and the K-part

@@ -61,7 +61,7 @@ __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, co
     while (sw < n4 && sw < 32) sw <<= 1;
     const int sub = lane / sw, cl = lane % sw, ri = NWARPS * (32 / sw);   // rows per block sweep
     const int planes = a.tp + !set, rw = planes * n;
-    int rp = min(batch, isa::MMA_SMEM_WORDS / 2 / rw);
+    int rp = min(batch, isa::MMA_SMEM_WORDS / 2 / rw);   // host: megakernel.residual_words
     rp = max(1, rp >= ri ? rp / ri * ri : rp);   // whole sweeps where they fit
     auto stage = [&](int pass) {   // committed as one group, empty past the batch
       const int b0 = pass * rp, rows = max(0, min(rp, batch - b0));
