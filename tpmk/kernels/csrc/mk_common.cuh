@@ -92,7 +92,9 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 // the running instruction moves to point N: 6 after the barrier that follows the dependency
 // wait, 7 a linear op's entry once its header word landed; in the CUDA-core linear(): 5 its
 // entry, 3 the inputs loaded, 4 their sums of squares reduced, 1 the normed inputs in shared
-// memory, 2 the matvec done. Traces of one build per point split a tile's time (bench/tune_sweep.sh).
+// memory, 2 the matvec done; in the tensor-core one (mk_mma.cuh): 8 the first chunk's
+// activations landed, 9 the K loop done; 10 a row-parallel op's outputs staged, before the
+// push to peers. Traces of one build per point split a tile's time (bench/tune_sweep.sh).
 __device__ __forceinline__ int& prof_instr() {
   __shared__ int i;
   return i;

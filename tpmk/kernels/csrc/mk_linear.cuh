@@ -53,6 +53,7 @@ __device__ __forceinline__ void linear_push(const KernelArgs& a, const int* ins,
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
     const float* outs = linear(a, batch, tile.K, b0, nb, n, src, tile.rows, smem);   // [nb, n]
+    prof_mark(a, 10);   // the pass's outputs staged (the last pass's)
     for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
       const size_t off = ((size_t)a.rank * a.bucket + b0 + i / n) * a.hidden + c0 + i % n;
       for (int p = p0; p < p1; p++) reinterpret_cast<float*>(slots[p])[off] = outs[i];

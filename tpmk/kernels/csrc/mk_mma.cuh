@@ -139,6 +139,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       const int kc0 = c * KC;
       cp_async_wait_all();   // this thread's copies of chunk c
       __syncthreads();   // everyone's copies of chunk c landed; chunk c - 1's buffer is no longer read
+      if (c == 0 && mt0 == 0) prof_mark(a, 8);   // the first chunk's activations landed
       if (c + 1 < nchunks)
         mma_stage<NT>(xsrc + kc0 + KC, src.ldx, nb - row0, kc0 + KC + kk < K, src.bf,
                       xdst + (c + 1) % 2 * NB * XS);
@@ -166,6 +167,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       }
     }
     __syncthreads();   // the chunk buffers are no longer read
+    prof_mark(a, 9);   // the K loop's MMAs done (the last m-tile pass's)
     if (active)
 #pragma unroll
       for (int n = 0; n < NT; n++)
