@@ -35,6 +35,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
   const KernelArgs& a = sa;
   const int* hdr = reinterpret_cast<const int*>(a.header);
   const unsigned epoch = (unsigned)hdr[isa::H_EPOCH];
+  if (threadIdx.x == 0) step_batch() = hdr[isa::H_BATCH];   // the loop's first barrier publishes it
   const int* instr = reinterpret_cast<const int*>(a.instructions);
   const int i0 = reinterpret_cast<const int*>(a.queue_start)[sm];
   const int i1 = reinterpret_cast<const int*>(a.queue_start)[sm + 1];

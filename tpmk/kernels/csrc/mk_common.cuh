@@ -90,11 +90,19 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 
 // Tuning probe, compiled out by default: with -DMK_PROF_MARK=N the profile's start stamp of
 // the running instruction moves to point N: 6 after the barrier that follows the dependency
-// wait, 7 a linear op's entry once its header word landed; in the CUDA-core linear(): 5 its
+// wait, 7 a linear op's entry; in the CUDA-core linear(): 5 its
 // entry, 3 the inputs loaded, 4 their sums of squares reduced, 1 the normed inputs in shared
 // memory, 2 the matvec done; in the tensor-core one (mk_mma.cuh): 8 the first chunk's
 // activations landed, 9 the K loop done; 10 a row-parallel op's outputs staged, before the
 // push to peers. Traces of one build per point split a tile's time (bench/tune_sweep.sh).
+// The step's batch size (header word H_BATCH): thread 0 reads it once at kernel start (the
+// host writes the header before the launch), so an op takes it from shared memory instead
+// of a global round trip on its critical path.
+__device__ __forceinline__ int& step_batch() {
+  __shared__ int b;
+  return b;
+}
+
 __device__ __forceinline__ int& prof_instr() {
   __shared__ int i;
   return i;

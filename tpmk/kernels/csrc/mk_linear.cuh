@@ -44,7 +44,7 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
 // peers' slot arrays ([tp, bucket, H] f32 each).
 __device__ __forceinline__ void linear_push(const KernelArgs& a, const int* ins, int op, int batch, const XSrc& src,
                                             const unsigned long long* slots, float* smem) {
-  if (batch > 0) prof_mark(a, 7);   // after the header's batch word landed
+  if (batch > 0) prof_mark(a, 7);   // the op's entry
   Tile tile;
   linear_tile(a, ins, op, tile);
   const int c0 = ins[isa::F_ROW0], n = tile.nrows, chunk = linear_chunk(batch, n);

@@ -10,7 +10,7 @@
 #include "mk_topk.cuh"
 
 __device__ __noinline__ void op_argmax(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  const int r0 = ins[isa::F_ROW0], r1 = min(r0 + ins[isa::F_NROWS], hdr[isa::H_BATCH]);
+  const int r0 = ins[isa::F_ROW0], r1 = min(r0 + ins[isa::F_NROWS], step_batch());
   const int nc = a.tp * a.n_lm_tiles, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int wpr = NWARPS;
   while (wpr > 1 && wpr * (r1 - r0) > NWARPS) wpr >>= 1;

@@ -97,7 +97,7 @@ __device__ __forceinline__ bool attn_tc(int batch, int G, int D) {
 }
 
 __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  const int batch = hdr[isa::H_BATCH], b = ins[isa::F_ARG0];
+  const int batch = step_batch(), b = ins[isa::F_ARG0];
   if (b >= batch) return;
   const int l = ins[isa::F_LAYER], g = ins[isa::F_ROW0], split = ins[isa::F_ARG1];
   const int D = a.head_dim, G = a.q_heads / a.kv_heads, ps = a.page_size, S = a.num_splits;

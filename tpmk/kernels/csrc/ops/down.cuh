@@ -6,5 +6,5 @@
 __device__ LINEAR_OP void op_down(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const XSrc src{reinterpret_cast<const float*>(a.act), a.inter, nullptr,
                  reinterpret_cast<const __nv_bfloat16*>(a.act_bf), nullptr, 0};
-  linear_push(a, ins, isa::OP_DOWN, hdr[isa::H_BATCH], src, a.peer_mlp_slots, smem);
+  linear_push(a, ins, isa::OP_DOWN, step_batch(), src, a.peer_mlp_slots, smem);
 }

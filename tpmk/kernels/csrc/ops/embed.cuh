@@ -4,7 +4,7 @@
 #include "mk_common.cuh"
 
 __device__ __noinline__ void op_embed(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  const int batch = hdr[isa::H_BATCH], c0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
+  const int batch = step_batch(), c0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
   const int* tokens = hdr + isa::HDR_TOKENS;
   const wtype* E = reinterpret_cast<const wtype*>(a.embed);
   for (int idx = threadIdx.x; idx < batch * n; idx += NTHREADS) {

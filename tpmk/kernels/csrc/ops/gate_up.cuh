@@ -6,9 +6,9 @@
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
 __device__ LINEAR_OP void op_gate_up(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  const int batch = hdr[isa::H_BATCH], l = ins[isa::F_LAYER], c0 = ins[isa::F_ROW0];
+  const int batch = step_batch(), l = ins[isa::F_LAYER], c0 = ins[isa::F_ROW0];
   const int n = ins[isa::F_NROWS], H = a.hidden, I = a.inter;
-  if (batch > 0) prof_mark(a, 7);   // after the header's batch word landed
+  if (batch > 0) prof_mark(a, 7);   // the op's entry
   Tile tile;
   linear_tile(a, ins, isa::OP_GATE_UP, tile);   // gate rows c0 + i, then up rows I + c0 + i
   const XSrc src = normed_x(a, reinterpret_cast<const wtype*>(a.post_norm) + (size_t)l * H);

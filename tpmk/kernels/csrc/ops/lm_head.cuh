@@ -7,7 +7,7 @@
 #include "mk_topk.cuh"
 
 __device__ __noinline__ void op_lm_head(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  const int batch = hdr[isa::H_BATCH], r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
+  const int batch = step_batch(), r0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS];
   const int tile = ins[isa::F_TILE], H = a.hidden;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   Tile wt;

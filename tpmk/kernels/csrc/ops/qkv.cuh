@@ -5,10 +5,10 @@
 #include "mk_linear.cuh"
 
 __device__ LINEAR_OP void op_qkv(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  const int batch = hdr[isa::H_BATCH], l = ins[isa::F_LAYER], head = ins[isa::F_ROW0];
+  const int batch = step_batch(), l = ins[isa::F_LAYER], head = ins[isa::F_ROW0];
   const int n = ins[isa::F_NROWS], p0 = ins[isa::F_ARG0];
   const int H = a.hidden, D = a.head_dim, half = D / 2, hq = a.q_heads, hkv = a.kv_heads;
-  if (batch > 0) prof_mark(a, 7);   // after the header's batch word landed
+  if (batch > 0) prof_mark(a, 7);   // the op's entry
   const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
   const int* pages = pos + a.bucket;
   Tile tile;

@@ -17,7 +17,7 @@ __device__ __forceinline__ const wtype* next_norm(const KernelArgs& a, int s) {
 }
 
 __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  const int batch = hdr[isa::H_BATCH], c0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS], tile = ins[isa::F_TILE];
+  const int batch = step_batch(), c0 = ins[isa::F_ROW0], n = ins[isa::F_NROWS], tile = ins[isa::F_TILE];
   const int stage = ins[isa::F_ARG0], set = ins[isa::F_ARG1];
   const bool ag = ins[isa::F_SIGNAL_PEERS] & isa::SIG_OWNER;   // peer_x[rank] is this rank's x
   const int p0 = ag ? 0 : a.rank, p1 = ag ? a.tp : a.rank + 1;  // whose x (and xn) get the result
