@@ -17,7 +17,13 @@
 
 constexpr int MMA_PASS = isa::MMA_PASS;              // batch rows per pass (MMA_PASS / 8 n-tiles)
 constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC = MMA_KC1 / NT
-constexpr int MMA_PIECES = MMA_KC1 * 8 * 2 / 16 / NTHREADS;   // 16-byte copies per thread per chunk (8)
+#ifndef MMA_KC_MAX
+#define MMA_KC_MAX MMA_KC1
+#endif
+// K chunk with NT n-tiles: MMA_KC1 / NT columns, at most MMA_KC_MAX (the first chunk's
+// activations must land before the first MMA).
+template <int NT>
+__host__ __device__ constexpr int mma_kc() { return MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX; }
 // One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
 constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
 constexpr int MMA_OUT_WORDS = isa::MMA_OUT_WORDS;    // staged outputs [nb][nrows], at most
@@ -53,16 +59,16 @@ __device__ __forceinline__ int mma_pass_rows(int nrows) {
 
 // Columns [kc0, kc0 + KC) of input rows b0.. -> xd ([NB][XS]), 16 bytes per cp.async (L2 ->
 // smem), committed as one group. A thread copies column kk = tid % R8 * 8 of rows
-// row0 + i * RS (row0 = tid / R8, RS = NTHREADS / R8, i < 8): `src` is its first one
+// row0 + i * RS (row0 = tid / R8, RS = NTHREADS / R8, i < P = NB / RS): `src` is its first one
 // (row b0 + row0, column kc0 + kk), `dst` its smem twin. Rows >= nb and columns >= K are
 // zero-filled (src-size 0; `safe` is read instead).
 template <int NT>
 __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int rows_left, bool k_ok,
                                           const __nv_bfloat16* safe, __nv_bfloat16* dst) {
-  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, R8 = KC / 8, RS = NTHREADS / R8;
-  static_assert(NTHREADS % R8 == 0 && MMA_PIECES * RS == NB && MMA_PIECES == 8, "a chunk = 8 rows per thread");
+  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, R8 = KC / 8, RS = NTHREADS / R8, P = NB / RS;
+  static_assert(NTHREADS % R8 == 0 && P * RS == NB && P >= 1, "a chunk = P rows per thread");
 #pragma unroll
-  for (int e = 0; e < MMA_PIECES; e++) {
+  for (int e = 0; e < P; e++) {
     const int r = e * RS;
     const bool ok = k_ok && r < rows_left;
     const __nv_bfloat16* s = ok ? src + (size_t)r * ldx : safe;
@@ -80,7 +86,7 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
 template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = MMA_KC1 / NT, XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? 2 : 4;
+  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? 2 : 4;
   static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
   __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]
