@@ -17,11 +17,15 @@
 
 constexpr int MMA_PASS = isa::MMA_PASS;              // batch rows per pass (MMA_PASS / 8 n-tiles)
 constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC = MMA_KC1 / NT
-#ifndef MMA_KC_MAX
-#define MMA_KC_MAX MMA_KC1
-#endif
 // K chunk with NT n-tiles: MMA_KC1 / NT columns, at most MMA_KC_MAX (the first chunk's
-// activations must land before the first MMA).
+// activations must land before the first MMA). 70B tp=8 rank, ctx 1024, H100, same call:
+// batch 8 / 32 / 128 at 11.17 / 15.12 / 35.85 and 11.40 / 15.10 / 34.68 ms with 1024, against
+// 11.64 / 15.59 / 36.04 and 11.79 / 15.00 / 35.82 with 4096 (MMA_KC1); 2048: 11.27 / 15.45 /
+// 36.09; 512: 12.10 / 15.17 / 35.81 and 12.30 / 15.60 / 34.92 (2026-12-06). o_proj's first
+// 16 KB chunk still lands ~5.5 us after the op's entry (probe 8), as its 64 KB one did.
+#ifndef MMA_KC_MAX
+#define MMA_KC_MAX 1024
+#endif
 template <int NT>
 __host__ __device__ constexpr int mma_kc() { return MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX; }
 // One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
