@@ -18,11 +18,12 @@
 constexpr int MMA_PASS = isa::MMA_PASS;              // batch rows per pass (MMA_PASS / 8 n-tiles)
 constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC = MMA_KC1 / NT
 // K chunk with NT n-tiles: MMA_KC1 / NT columns, at most MMA_KC_MAX (the first chunk's
-// activations must land before the first MMA). 70B tp=8 rank, ctx 1024, H100, same call:
-// batch 8 / 32 / 128 at 11.17 / 15.12 / 35.85 and 11.40 / 15.10 / 34.68 ms with 1024, against
-// 11.64 / 15.59 / 36.04 and 11.79 / 15.00 / 35.82 with 4096 (MMA_KC1); 2048: 11.27 / 15.45 /
-// 36.09; 512: 12.10 / 15.17 / 35.81 and 12.30 / 15.60 / 34.92 (2026-12-06). o_proj's first
-// 16 KB chunk still lands ~5.5 us after the op's entry (probe 8), as its 64 KB one did.
+// activations must land before the first MMA). It changes batch <= 16 (NT 1, 2); from NT 4
+// on, MMA_KC1 / NT <= 1024 already. 70B tp=8 rank, H100, 2026-12-06: batch 8 at ctx 1024 in
+// 11.17 / 11.40 / 11.19 / 11.14 ms with 1024 against 11.64 / 11.79 / 11.65 / 11.41 with 4096
+// (MMA_KC1; two calls); 2048: 11.27, 512: 12.10 / 12.30. At ctx 4096, within noise: 12.23 /
+// 12.32 against 12.17 / 12.11. o_proj's first 16 KB chunk still lands ~5.5 us after the op's
+// entry (probe 8), as its 64 KB one did: a fixed latency, not the bytes.
 #ifndef MMA_KC_MAX
 #define MMA_KC_MAX 1024
 #endif
