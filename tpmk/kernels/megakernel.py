@@ -76,6 +76,8 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype)
     # Shared memory is sized to the bucket and the rest is L1 (the carve-out hint in
     # Megakernel). Below MMA_MIN_BATCH: batch 1 at ctx 1024 of the 70B tp=8 rank, H200, 9.36 /
     # 9.40 ms against 9.84 with the tensor-core words at every bucket (same run, 2026-12-06).
+    # Tensor-core buckets (staged outputs of bucket rows): batch 8 / 32 at ctx 1024, H100, 11.75
+    # / 15.58 and 11.56 / 15.53 ms against 12.97 / 16.86 and 13.18 / 17.16 with all 128 rows.
     if dtype == torch.bfloat16 and sched.bucket >= isa.MMA_MIN_BATCH:
         words = max(words, mma_words(sched), residual_words(sched))   # batch >= MMA_MIN_BATCH
     return 4 * (NWARPS * BATCH_CHUNK + words)
