@@ -43,5 +43,11 @@ class StartFailsOnRank1(_Base):
     def __init__(self, cfg, runtime, shards, group=None):
         super().__init__(cfg, runtime, shards, group)
         if self.rank == 1:
-            raise RuntimeError("rank 1 cannot start on purpose")
+            raise self.error("rank 1 cannot start on purpose")
         dist.barrier(group=group)  # rank 0 waits for a peer that never comes
+
+    error = RuntimeError
+
+
+class RefusesInputOnRank1(StartFailsOnRank1):
+    error = ValueError   # bad input (a wrong flag or checkpoint): WorkerError.input_error

@@ -80,8 +80,18 @@ def test_local_rank_sigkill_is_an_error_not_a_hang(tiny_dir):
 
 def test_local_start_up_error_names_rank(tiny_dir):
     rt = RuntimeConfig(tp=2, device="cpu", engine="_launcher_engines:StartFailsOnRank1")
-    with pytest.raises(WorkerError, match="rank 1: start-up failed.*cannot start on purpose"):
+    with pytest.raises(WorkerError, match="rank 1: start-up failed.*cannot start on purpose") as err:
         launch(tiny_dir, rt, "local")
+    assert not err.value.input_error   # a RuntimeError: the CLI shows the traceback
+
+
+def test_local_start_up_input_error_crosses_the_pipe(tiny_dir):
+    """A rank's ValueError at start-up reaches the driver marked as bad input (the CLI prints
+    it without the rank's traceback), as data through the pipe, not by its message text."""
+    rt = RuntimeConfig(tp=2, device="cpu", engine="_launcher_engines:RefusesInputOnRank1")
+    with pytest.raises(WorkerError, match="rank 1: start-up failed: ValueError") as err:
+        launch(tiny_dir, rt, "local")
+    assert err.value.input_error and err.value.rank == 1
 
 
 def test_local_workers_exit_when_the_driver_dies(tiny_dir):

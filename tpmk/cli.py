@@ -9,7 +9,6 @@ import sys
 import time
 
 from tpmk.engine.api import WorkerError
-from tpmk.engine.worker import INPUT_ERROR
 from tpmk.launcher.launch import add_runtime_args
 
 EPILOG = """examples:
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except WorkerError as e:
-        if INPUT_ERROR.match(e.message) and not os.environ.get("TPMK_TRACEBACK"):
+        if e.input_error and not os.environ.get("TPMK_TRACEBACK"):
             # a rank refused its input (a wrong flag or checkpoint): the message says it all
             print(f"tpmk: error: rank {e.rank}: {e.message}\n(TPMK_TRACEBACK=1 shows the rank's "
                   f"traceback)", file=sys.stderr)

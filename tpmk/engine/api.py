@@ -81,13 +81,16 @@ class Engine(Protocol):
 
 
 class WorkerError(RuntimeError):
-    """A rank failed; carries the rank and its formatted traceback."""
+    """A rank failed; carries the rank and its formatted traceback. `input_error`: the rank
+    refused its input at start-up (a wrong flag or checkpoint: ValueError, FileNotFoundError),
+    which the CLI reports without the traceback."""
 
-    def __init__(self, rank: int, message: str, traceback_text: str = ""):
+    def __init__(self, rank: int, message: str, traceback_text: str = "", input_error: bool = False):
         super().__init__(f"rank {rank}: {message}\n{traceback_text}".rstrip())
         self.rank = rank
         self.message = message
         self.traceback_text = traceback_text
+        self.input_error = input_error
 
 
 class EngineClient(Protocol):

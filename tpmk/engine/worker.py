@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
-import re
 import traceback
 from dataclasses import dataclass, field
 
@@ -76,9 +75,8 @@ class WorkerSpec:
         return list(range(self.rank * per, (self.rank + 1) * per))
 
 
-# A rank's start-up failure reads "start-up failed: <exception class>: <message>". Those from
-# the exception classes the CLI treats as bad input (a wrong flag or checkpoint):
-INPUT_ERROR = re.compile(r"start-up failed: (ValueError|FileNotFoundError): ")
+# Start-up failures of these classes are bad input (a wrong flag or checkpoint): WorkerError.input_error
+INPUT_ERRORS = (ValueError, FileNotFoundError)
 
 
 class Worker:
@@ -91,7 +89,7 @@ class Worker:
             raise
         except Exception as e:
             raise WorkerError(spec.rank, f"start-up failed: {type(e).__name__}: {e}",
-                              traceback.format_exc()) from e
+                              traceback.format_exc(), isinstance(e, INPUT_ERRORS)) from e
 
     def _start(self) -> None:
         spec, rt = self.spec, self.spec.runtime
@@ -151,10 +149,11 @@ class Worker:
 def error_record(e: BaseException, rank: int) -> dict:
     """What crosses a pipe or Ray when a rank fails: plain data, never a pickled exception."""
     if isinstance(e, WorkerError):
-        return {"rank": e.rank, "message": e.message, "traceback": e.traceback_text}
+        return {"rank": e.rank, "message": e.message, "traceback": e.traceback_text,
+                "input_error": e.input_error}
     return {"rank": rank, "message": f"{type(e).__name__}: {e}",
-            "traceback": traceback.format_exc()}
+            "traceback": traceback.format_exc(), "input_error": False}
 
 
 def raise_error_record(rec: dict) -> None:
-    raise WorkerError(rec["rank"], rec["message"], rec["traceback"])
+    raise WorkerError(rec["rank"], rec["message"], rec["traceback"], rec["input_error"])
