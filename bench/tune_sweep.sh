@@ -8,7 +8,8 @@
 #     default build for all (for knobs the host code reads)
 #   A variant "@REV" times another tree's default build in the same call (a baseline): before
 #   the device call, `git archive REV tpmk bench -o ab_REV.tar` at the repository root
-#   (untracked, so it travels with the working tree; delete it afterwards).
+#   (untracked, so it travels with the working tree; delete it afterwards). "@REV NAME=VALUE ..."
+#   times that tree with macros.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"
@@ -18,11 +19,14 @@ BUILD="import sys, torch; from tpmk.kernels.megakernel import compile_megakernel
 c(torch.bfloat16, defines=tuple(sys.argv[1:]))"
 tree() { echo "/tmp/ab_${1#@}"; }   # where variant @REV's tree is unpacked
 builds=()
+rev() { local r=${1%% *}; echo "${r#@}"; }   # "@REV NAME=VALUE ..." -> REV
+revmacros() { [[ $1 == *" "* ]] && echo "${1#* }"; }   # ... -> its macros
 for v in "$@"; do
   if [[ $v == @* ]]; then   # another tree: unpacked, built there with its own cache
-    [ -f "ab_${v#@}.tar" ] || { echo "missing ab_${v#@}.tar: git archive ${v#@} tpmk bench -o ab_${v#@}.tar"; exit 2; }
-    mkdir -p "$(tree "$v")" && tar -xf "ab_${v#@}.tar" -C "$(tree "$v")"
-    (cd "$(tree "$v")" && PYTHONPATH=. TPMK_CACHE=$(tree "$v")/cache python3 -c "$BUILD") &
+    r=$(rev "$v")
+    [ -f "ab_$r.tar" ] || { echo "missing ab_$r.tar: git archive $r tpmk bench -o ab_$r.tar"; exit 2; }
+    [ -d "$(tree "@$r")" ] || { mkdir -p "$(tree "@$r")" && tar -xf "ab_$r.tar" -C "$(tree "@$r")"; }
+    (cd "$(tree "@$r")" && PYTHONPATH=. TPMK_CACHE=$(tree "@$r")/cache python3 -c "$BUILD" $(revmacros "$v")) &
   elif [ -z "${SWEEP_ENV:-}" ]; then builds+=("$v")
   fi
 done
@@ -36,7 +40,7 @@ for v in "$@"; do
   echo "== variant $i: ${v:-default}"
   macros=$v; envs=""; dir=.
   [ -n "${SWEEP_ENV:-}" ] && macros="" envs=$v
-  [[ $v == @* ]] && macros="" envs="TPMK_CACHE=$(tree "$v")/cache" dir=$(tree "$v")
+  [[ $v == @* ]] && macros=$(revmacros "$v") envs="TPMK_CACHE=$(tree "@$(rev "$v")")/cache" dir=$(tree "@$(rev "$v")")
   (cd "$dir" && env PYTHONPATH=. $envs timeout ${BENCH_TIMEOUT:-120} python3 bench/decode.py \
     ${SWEEP_BENCH:---batch 1 --ctx 1024 --no-baseline --iters 5} \
     ${macros:+--define $macros} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3)

@@ -316,7 +316,7 @@ def test_loopback_refuses_reduce_scatter_schedule():
     (dict(intermediate_size=392), 0, "intermediate/tp=196 must be a multiple of 8"),
     ({}, 33, "num_splits=33 > 32"),
     (dict(num_attention_heads=64, num_key_value_heads=2, head_dim=256), 0,
-     "32 query heads per kv head x head_dim=256 > 4096"),
+     "32 query heads per kv head x head_dim=256 > 2048"),
 ])
 def test_unsupported_shapes_are_refused_before_the_device(change, splits, message):
     """A model or schedule the kernel cannot run is refused with its value named before any

@@ -33,7 +33,11 @@ MMA_MIN_BATCH = 5         # bf16 steps of at least this many rows run their matv
 
 # ---- kernel geometry: the CUDA side reads these (isa_generated.cuh), the host sizes shared
 # memory and checks shapes with them. Change them here only.
-NTHREADS = 512            # threads per CTA (one persistent CTA per SM)
+NTHREADS = 256            # threads per CTA (one persistent CTA per SM). 512 capped every thread
+                          # at 128 registers: 323 spills, a 456-byte stack frame per thread that
+                          # L1 could not hold; 256: 15 spills, 224 bytes. 70B tp=8 rank, ctx 1024,
+                          # H100, 2026-12-06, same call: batch 1 / 8 / 32 / 128 in 8.93 / 10.24 /
+                          # 14.19 / 32.48 ms vs 10.61 / 11.28 / 14.98 / 34.35 at 512
 NWARPS = NTHREADS // 32
 BATCH_CHUNK = 4           # batch rows per CUDA-core matvec pass (inputs in shared memory)
 ATTN_CHUNK = 128          # attention: most tokens per chunk (the scores' row stride)

@@ -410,12 +410,16 @@ __device__ __forceinline__ uint4 ldg_w(const wtype* p) {
 }
 
 #ifndef MK_MV_U1
-#define MK_MV_U1 4   // 16-byte loads per row in flight per lane at batch 1 (8 measured slower;
-#endif               // 5 and more spill at 128 registers; asking L2 for each row 1 or 2 loop
-                     // trips ahead: 12.71 / 13.47 vs 12.40 ms, H200, 2026-12-04)
+#define MK_MV_U1 4   // 16-byte loads per row in flight per lane at batch 1. 256 threads, H100,
+#endif               // 2026-12-06: 2 / 3 / 4 / 6 / 8 in 9.14 / 8.98 / 8.82-8.94 / 8.93 / 9.06 ms
+                     // (asking L2 for each row 1 or 2 loop trips ahead was slower: 12.71 / 13.47
+                     // vs 12.40 ms at 512 threads, H200, 2026-12-04)
+#ifndef MK_MV_UN
+#define MK_MV_UN 2   // ... at batch 2-4 (batch 2: 3 / 4 in 9.67 / 9.53 vs 9.63-9.68 ms,
+#endif               // same call: noise)
 template <int NB, typename RowFn, typename OutFn>
 __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
-  constexpr int U = NB == 1 ? MK_MV_U1 : 2, STEP = 32 * VEC;
+  constexpr int U = NB == 1 ? MK_MV_U1 : MK_MV_UN, STEP = 32 * VEC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const MvSplit m = mv_split(K, nrows);
   for (int grp = warp / m.ks; grp < m.groups; grp += NWARPS / m.ks) {

@@ -23,9 +23,20 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 // 11.17 / 11.40 / 11.19 / 11.14 ms with 1024 against 11.64 / 11.79 / 11.65 / 11.41 with 4096
 // (MMA_KC1; two calls); 2048: 11.27, 512: 12.10 / 12.30. At ctx 4096, within noise: 12.23 /
 // 12.32 against 12.17 / 12.11. o_proj's first 16 KB chunk still lands ~5.5 us after the op's
-// entry (probe 8), as its 64 KB one did: a fixed latency, not the bytes.
+// entry (probe 8), as its 64 KB one did: a fixed latency, not the bytes. At 256 threads (same
+// card, 2026-12-06): batch 8 in 10.59 with 512, 10.24 with 2048 vs 10.15-10.34 with 1024.
 #ifndef MMA_KC_MAX
 #define MMA_KC_MAX 1024
+#endif
+// k blocks per load group (a lane's weight loads in flight: 2 U) with NT < 8 n-tiles and with
+// NT >= 8 (acc takes NT * 4 registers). 256 threads, H100, ctx 1024, 2026-12-06, one call:
+// SMALL 6 / 8 at batch 8 in 10.38 / 10.35 vs 10.15-10.34 ms, at batch 32 in 15.10 / 15.17 vs
+// 14.43-14.71; BIG 3 / 4 at batch 128 in 33.21 / 35.18 vs 32.80-32.86.
+#ifndef MMA_U_SMALL
+#define MMA_U_SMALL 4
+#endif
+#ifndef MMA_U_BIG
+#define MMA_U_BIG 2
 #endif
 template <int NT>
 __host__ __device__ constexpr int mma_kc() { return MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX; }
@@ -91,7 +102,7 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
 template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? 2 : 4;
+  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
   static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
   __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]

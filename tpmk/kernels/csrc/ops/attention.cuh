@@ -13,7 +13,7 @@
 // Tensor-core steps (attn_tc: bf16, batch >= MMA_MIN_BATCH, G <= 16, D >= 16) run both
 // products as mma.sync m16n8k16 with the G heads as the 16 rows (rows >= G zero): scores =
 // q (bf16) . K^T, warp j taking tokens 8j..8j+7; P.V = P (bf16 rows in shared memory) . V
-// (ldmatrix.trans), warp w taking dims 8j..8j+7 for j = w, w + 16, its C fragments held
+// (ldmatrix.trans), warp w taking dims 8j..8j+7 for j = w, w + NWARPS, ..., its C fragments held
 // across chunks. At batch 128, ctx 4096 on an H200 this took attention from 371 to 122 us
 // per layer (the CUDA-core scores alone were 205 us).
 // Otherwise, on CUDA cores: scores: thread (token t, head phase hp) computes q_h . K_t over
@@ -29,6 +29,7 @@
 
 constexpr int ATTN_CHUNK = isa::ATTN_CHUNK;   // most tokens per chunk (the scores' row stride)
 constexpr int ATTN_PAGES = isa::ATTN_PAGES;   // page numbers one chunk can touch, padded
+constexpr int PV_S = (256 / 8 + NWARPS - 1) / NWARPS;   // tensor-core P.V: dim octets per warp (D <= 256)
 
 // 8 consecutive cache elements (16 bytes in bf16, 32 in f32) from shared memory -> f.
 __device__ __forceinline__ void lds_oct(const char* p, float* f) {
@@ -173,9 +174,9 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   // P.V roles: NO output octets, Q token phases; threads past Q * NO only help with the rest.
   const int NO = G * D / 8, Q = NTHREADS / NO, o = threadIdx.x % NO, qt = threadIdx.x / NO;
   const int vh = o / (D / 8), vd0 = o % (D / 8) * 8;
-  float av[8];
+  float av[PV_S * 4 > 8 ? PV_S * 4 : 8];   // tensor cores: PV_S C fragments; else one octet
 #pragma unroll
-  for (int e = 0; e < 8; e++) av[e] = 0.f;
+  for (int e = 0; e < (int)(sizeof(av) / sizeof(float)); e++) av[e] = 0.f;
   for (int c = 0; c < nchunks; c++) {
     const int c0 = t0 + c * CH, cn = min(CH, t1 - c0);
     cp_async_wait_all();   // this thread's copies of chunk c
@@ -249,16 +250,16 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     }
     __syncthreads();
 #ifdef MK_HAS_MMA
-    if (tc) {   // P.V on tensor cores: warp w takes dims 8j..8j+7 (j = w, w + 16)
+    if (tc) {   // P.V on tensor cores: warp w takes dims 8j..8j+7 (j = w, w + NWARPS, ...)
       const int gr = lane >> 2, t4 = lane & 3, PW = (ATTN_CHUNK + 8) / 2, cn16 = (cn + 15) & ~15;
       const unsigned* pa = reinterpret_cast<const unsigned*>(pb) + gr * PW + t4;   // head gr; + 8 PW: gr + 8
       const float al0 = gr < G ? st[2 * G + gr] : 0.f, al1 = gr + 8 < G ? st[2 * G + gr + 8] : 0.f;
 #pragma unroll
-      for (int e = 0; e < 8; e++) av[e] *= (e & 2) ? al1 : al0;
+      for (int e = 0; e < 4 * PV_S; e++) av[e] *= (e & 2) ? al1 : al0;
       for (int kk = 0; kk < cn16; kk += 32) {
         const unsigned* p0 = pa + kk / 2;
 #pragma unroll
-        for (int s2 = 0; s2 < 2; s2++) {
+        for (int s2 = 0; s2 < PV_S; s2++) {
           const int j = warp + s2 * NWARPS;
           if (j * 8 >= D) break;   // warp-uniform
           unsigned v0, v1, v2, v3;   // B fragments of k steps kk and kk + 16 (V rows kk + lane)
@@ -290,7 +291,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     nq = 1;
     const int gr = lane >> 2, t4 = lane & 3;
 #pragma unroll
-    for (int s2 = 0; s2 < 2; s2++) {
+    for (int s2 = 0; s2 < PV_S; s2++) {
       const int j = warp + s2 * NWARPS, d = 8 * j + 2 * t4;
       if (j * 8 >= D) break;
       if (gr < G) { red[gr * D + d] = av[4 * s2]; red[gr * D + d + 1] = av[4 * s2 + 1]; }
