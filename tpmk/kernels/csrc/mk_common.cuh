@@ -236,7 +236,13 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, floa
 // xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K.
 // Latency-bound at batch 1: every load is a 16-byte vector and all of a thread's
 // loads of a pass are issued before any is used (K, ldx multiples of 8: host-checked).
-constexpr int NORM_VPT = 4;   // float4 of x per thread per pass (K <= 8192 in one pass)
+// At 256 threads K = 8192 takes two passes of x and two of norm weights. Tried and not kept:
+// one pass of x (NORM_VPT 8) with the weights' loads issued beside it, x * w stored and a
+// shared-memory pass scaling by the rsqrt: batch 1 / 2 at ctx 1024 in 9.07 / 9.08 and 9.996 /
+// 9.82 ms against 9.10 / 8.86 and 9.72 / 9.63 (H100, 2026-12-06, one call), and the normed
+// inputs landed later (probe 1: 5.6 vs 5.0 us after the previous stage): with every SM reading
+// the same 32 KB of x (and 16 KB of weights) at once, L2 bandwidth, not round trips, sets it.
+constexpr int NORM_VPT = 4;   // float4 of x per thread per pass
 __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0, int nb, int K,
                             const wtype* w, float* xs, float* red) {
   // Per-row arrays (ss, r) are indexed by loops unrolled over BATCH_CHUNK only, so they stay
