@@ -60,6 +60,7 @@ __device__ void merge_group(const KernelArgs& a, const float* part, float* out, 
     if (ok) coef[h * S + lane] = e * inv;
   }
   __syncthreads();
+  prof_mark(a, 15);   // the merge's coefficients (the splits' m, l loaded)
   for (int i = threadIdx.x; i < n4 * P; i += NTHREADS) {
     const int o = i % n4, q = i / n4, h = o / (D / 4), d = o % (D / 4) * 4;
     const float* p = part + (size_t)h * S * (D + 2) + d;
@@ -171,6 +172,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     for (int i = threadIdx.x; i < G * D; i += NTHREADS) qs[i] = ld_act(q + i) * a.attn_scale;
   }
   for (int h = threadIdx.x; h < G; h += NTHREADS) { st[h] = isa::NEG_INF; st[G + h] = 0.f; }
+  prof_mark(a, 11);   // chunk 0's page numbers landed, its K/V issued, this thread's queries loaded
   // P.V roles: NO output octets, Q token phases; threads past Q * NO only help with the rest.
   const int NO = G * D / 8, Q = NTHREADS / NO, o = threadIdx.x % NO, qt = threadIdx.x / NO;
   const int vh = o / (D / 8), vd0 = o % (D / 8) * 8;
@@ -181,6 +183,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     const int c0 = t0 + c * CH, cn = min(CH, t1 - c0);
     cp_async_wait_all();   // this thread's copies of chunk c
     __syncthreads();   // everyone's copies landed; chunk c - 1's buffers and probabilities are read
+    if (c == 0) prof_mark(a, 12);   // chunk 0's K/V landed
     if (c + 1 < nchunks) issue(c + 1);                   // in flight during this chunk
     const char* kc = kvs + (size_t)(c % 2) * 2 * CH * RB;
     const char* vc = kc + (size_t)CH * RB;
@@ -284,6 +287,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     }
   }
   __syncthreads();   // the chunk buffers are no longer read: the phases' partials go there
+  prof_mark(a, 13);   // the last chunk's P.V done
   float* red = reinterpret_cast<float*>(kvs);   // [Q][G * D] (tensor cores: [1][G * D])
   int nq = Q;
 #ifdef MK_HAS_MMA
@@ -330,6 +334,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     last = t % (unsigned)S == 0;
   }
   __syncthreads();
+  prof_mark(a, 14);   // the partial stored and the ticket drawn
   if (last) {
     const size_t off = ((size_t)b * a.q_heads + g * G) * D;
     merge_group(a, part, reinterpret_cast<float*>(a.attn_out) + off,
