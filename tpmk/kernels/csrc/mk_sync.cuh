@@ -33,6 +33,9 @@ __device__ __forceinline__ void red_relaxed(unsigned* p, unsigned v) {
 __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel." MK_SCOPE ";" ::: "memory");
 }
+// For hand-offs between CTAs of this GPU only (attention's split partials and ticket): .gpu
+// even in an MK_SYS_SCOPE build.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 __device__ __forceinline__ bool aborted(const KernelArgs& a) {
   return *reinterpret_cast<volatile int*>(a.error) != 0;

@@ -326,10 +326,10 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   if (threadIdx.x == 0) {
     unsigned t = 1;
     const int cid = ins[isa::F_ARG2];
-    if (cid != isa::NO_COUNTER) {   // S > 1
-      fence_acq_rel_sys();
+    if (cid != isa::NO_COUNTER) {   // S > 1; partials and ticket are this GPU's: .gpu scope
+      fence_acq_rel_gpu();
       t = atomicAdd(reinterpret_cast<unsigned*>(a.counters) + (size_t)cid * isa::COUNTER_STRIDE, 1u) + 1;
-      fence_acq_rel_sys();          // acquire: the other splits' partials
+      fence_acq_rel_gpu();          // acquire: the other splits' partials
     }
     last = t % (unsigned)S == 0;
   }
