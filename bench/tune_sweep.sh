@@ -23,10 +23,10 @@ rev() { local r=${1%% *}; echo "${r#@}"; }   # "@REV NAME=VALUE ..." -> REV
 revmacros() { [[ $1 == *" "* ]] && echo "${1#* }"; }   # ... -> its macros
 for v in "$@"; do
   if [[ $v == @* ]]; then   # another tree: unpacked, built there with its own cache
-    r=$(rev "$v")
+    r=$(rev "$v"); d=$(tree "$r")
     [ -f "ab_$r.tar" ] || { echo "missing ab_$r.tar: git archive $r tpmk bench -o ab_$r.tar"; exit 2; }
-    [ -d "$(tree "@$r")" ] || { mkdir -p "$(tree "@$r")" && tar -xf "ab_$r.tar" -C "$(tree "@$r")"; }
-    (cd "$(tree "@$r")" && PYTHONPATH=. TPMK_CACHE=$(tree "@$r")/cache python3 -c "$BUILD" $(revmacros "$v")) &
+    [ -d "$d" ] || { mkdir -p "$d" && tar -xf "ab_$r.tar" -C "$d"; }
+    (cd "$d" && PYTHONPATH=. TPMK_CACHE=$d/cache python3 -c "$BUILD" $(revmacros "$v")) &
   elif [ -z "${SWEEP_ENV:-}" ]; then builds+=("$v")
   fi
 done
@@ -40,7 +40,7 @@ for v in "$@"; do
   echo "== variant $i: ${v:-default}"
   macros=$v; envs=""; dir=.
   [ -n "${SWEEP_ENV:-}" ] && macros="" envs=$v
-  [[ $v == @* ]] && macros=$(revmacros "$v") envs="TPMK_CACHE=$(tree "@$(rev "$v")")/cache" dir=$(tree "@$(rev "$v")")
+  [[ $v == @* ]] && dir=$(tree "$(rev "$v")") && macros=$(revmacros "$v") envs="TPMK_CACHE=$dir/cache"
   (cd "$dir" && env PYTHONPATH=. $envs timeout ${BENCH_TIMEOUT:-120} python3 bench/decode.py \
     ${SWEEP_BENCH:---batch 1 --ctx 1024 --no-baseline --iters 5} \
     ${macros:+--define $macros} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3)

@@ -95,7 +95,8 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 // memory, 2 the matvec done; in the tensor-core one (mk_mma.cuh): 8 the first chunk's
 // activations landed, 9 the K loop done; 10 a row-parallel op's outputs staged, before the
 // push to peers; in attention (ops/attention.cuh): 11 the queries loaded, 12 the first K/V chunk
-// landed, 13 the last chunk's P.V done, 14 the ticket drawn, 15 the merge's coefficients. Traces of one build per point split a tile's time (bench/tune_sweep.sh).
+// landed, 13 the last chunk's P.V done, 14 the ticket drawn, 15 the merge's coefficients.
+// Traces of one build per point split a tile's time (bench/tune_sweep.sh).
 // The step's batch size (header word H_BATCH): thread 0 reads it once at kernel start (the
 // host writes the header before the launch), so an op takes it from shared memory instead
 // of a global round trip on its critical path.
