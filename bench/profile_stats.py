@@ -6,9 +6,10 @@ previous stage's last instruction end to this stage's last end (what the stage a
 to the step when stages run back to back). Also the mean gap before an instruction
 on its SM (instruction fetch + counter wait). --starts: per op, the medians over its
 stages' instructions of start and end, in us after the previous stage's last end (with a
--DMK_PROF_MARK=N build, "start" is probe point N).
+-DMK_PROF_MARK=N build, "start" is probe point N). --detail OP: OP's instructions of a stage
+ranked by end, each rank's median start and end over the stages (where the stragglers are).
 
-  python bench/profile_stats.py trace.json [--top N] [--starts]
+  python bench/profile_stats.py trace.json [--top N] [--starts] [--detail OP]
 """
 from __future__ import annotations
 
@@ -77,6 +78,25 @@ def starts(events: list[dict], pid: int = 0) -> list[dict]:
                  last_end_us=max(s["end"])) for op, s in per_op.items()]
 
 
+def detail(events: list[dict], op: str, pid: int = 0) -> list[tuple[float, float]]:
+    """(median start, median end) of the k-th instruction of OP's stages ranked by end."""
+    ev = [e for e in events if e.get("pid", 0) == pid]
+    stages: dict[int, list[dict]] = defaultdict(list)
+    for e in ev:
+        stages[e["args"]["stage"]].append(e)
+    ranked: list[list[tuple[float, float]]] = []
+    prev_end = None
+    for k in sorted(stages):
+        es = stages[k]
+        if prev_end is not None and es[0]["name"].split()[0] == op:
+            ranked.append(sorted(((e["ts"] - prev_end, e["ts"] + e["dur"] - prev_end) for e in es),
+                                 key=lambda se: se[1]))
+        prev_end = max(e["ts"] + e["dur"] for e in es)
+    med = lambda v: sorted(v)[len(v) // 2]
+    n = min((len(r) for r in ranked), default=0)
+    return [(med([r[i][0] for r in ranked]), med([r[i][1] for r in ranked])) for i in range(n)]
+
+
 def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)   # `| head` ends the listing quietly
     ap = argparse.ArgumentParser()
@@ -84,6 +104,7 @@ def main():
     ap.add_argument("--top", type=int, default=0, help="print only the N ops longest on the critical path")
     ap.add_argument("--starts", action="store_true",
                     help="also: median start / end per op after the previous stage's last end")
+    ap.add_argument("--detail", metavar="OP", help="also: OP's instructions ranked by end (medians over stages)")
     args = ap.parse_args()
     with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -98,6 +119,10 @@ def main():
         print(f"{'op':>10} {'n':>6} {'start us':>8} {'end us':>7} {'last end':>8}   (medians after the previous stage's last end)")
         for r in starts(events):
             print(f"{r['op']:>10} {r['n']:6d} {r['start_us']:8.2f} {r['end_us']:7.2f} {r['last_end_us']:8.2f}")
+    if args.detail:
+        print(f"{args.detail}: rank by end, median start / end us after the previous stage's last end")
+        for i, (st, en) in enumerate(detail(events, args.detail)):
+            print(f"{i:>4} {st:8.2f} {en:8.2f}")
 
 
 if __name__ == "__main__":

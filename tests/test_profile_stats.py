@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from profile_stats import starts, stats  # noqa: E402
+from profile_stats import detail, starts, stats  # noqa: E402
 
 # SM 0: qkv [0, 10), attention [12, 20); SM 1: qkv [1, 6), attention [7, 10); rank 1's
 # events (pid 1) must not count.
@@ -39,6 +39,12 @@ def test_starts_after_previous_stage_end():
     # 10: starts 12 - 10 = 2 and 7 - 10 = -3 (median of two: the upper, 2), ends 10 and 0.
     (a,) = starts(EVENTS)
     assert (a["op"], a["n"], a["start_us"], a["end_us"], a["last_end_us"]) == ("attention", 2, 2.0, 10.0, 10.0)
+
+
+def test_detail_ranks_by_end():
+    # attention after qkv's last end 10: SM 1's (7 - 10, 10 - 10) ends first, SM 0's (2, 10).
+    assert detail(EVENTS, "attention") == [(-3.0, 0.0), (2.0, 10.0)]
+    assert detail(EVENTS, "qkv") == []         # the first stage has no previous end
 
 
 def test_cli_reads_gzip_and_top(tmp_path):
