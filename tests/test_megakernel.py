@@ -7,7 +7,7 @@ from _mk_helpers import (empty_caches, random_shards, shards_for, stable_topk, t
                          tie_topk_ids, topk_near_ties, with_lm_head)
 from tpmk.config import ModelConfig
 from tpmk.kernels.interpreter import VM
-from tpmk.kernels.isa import MMA_MIN_BATCH, TOPK
+from tpmk.kernels.isa import MMA_MIN_BATCH, NTHREADS, TOPK
 from tpmk.kernels.schedule import build_schedule
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
@@ -315,8 +315,9 @@ def test_loopback_refuses_reduce_scatter_schedule():
     (dict(head_dim=96), 0, "head_dim=96 is not supported"),
     (dict(intermediate_size=392), 0, "intermediate/tp=196 must be a multiple of 8"),
     ({}, 33, "num_splits=33 > 32"),
+    # G x D = 32 x 256 = 8192 > 8 * NTHREADS while NTHREADS < 1024
     (dict(num_attention_heads=64, num_key_value_heads=2, head_dim=256), 0,
-     "32 query heads per kv head x head_dim=256 > 2048"),
+     f"32 query heads per kv head x head_dim=256 > {8 * NTHREADS}"),
 ])
 def test_unsupported_shapes_are_refused_before_the_device(change, splits, message):
     """A model or schedule the kernel cannot run is refused with its value named before any

@@ -20,7 +20,9 @@
 #define MK_SCOPE "gpu"
 #endif
 
-__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+// At the ranks' scope (MK_SCOPE: what covers every rank of the launch), for the dependency
+// counters and the stores they publish.
+__device__ __forceinline__ unsigned ld_acquire_ranks(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire." MK_SCOPE ".global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
@@ -30,7 +32,7 @@ __device__ __forceinline__ void red_relaxed(unsigned* p, unsigned v) {
   asm volatile("red.relaxed." MK_SCOPE ".global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ void fence_acq_rel_sys() {
+__device__ __forceinline__ void fence_acq_rel_ranks() {
   asm volatile("fence.acq_rel." MK_SCOPE ";" ::: "memory");
 }
 // For hand-offs between CTAs of this GPU only (attention's split partials and ticket): .gpu
@@ -48,11 +50,11 @@ __device__ bool wait_counter(const KernelArgs& a, const int* ins, int which, uns
   if (cid == isa::NO_COUNTER) return true;
   const unsigned target = epoch * (unsigned)ins[which == 0 ? isa::F_COUNT0 : isa::F_COUNT1];
   const unsigned* c = reinterpret_cast<const unsigned*>(a.counters) + (size_t)cid * isa::COUNTER_STRIDE;
-  unsigned v = ld_acquire_sys(c);
+  unsigned v = ld_acquire_ranks(c);
   if ((int)(v - target) >= 0) return true;
   const unsigned long long t0 = globaltimer();
   int spins = 0;
-  while ((int)((v = ld_acquire_sys(c)) - target) < 0) {
+  while ((int)((v = ld_acquire_ranks(c)) - target) < 0) {
     if ((++spins & 63) == 0) {
       if (aborted(a)) return false;
       if (globaltimer() - t0 > (unsigned long long)a.timeout_ns) {
@@ -85,7 +87,7 @@ __device__ __forceinline__ bool runs_here(const KernelArgs& a, const int* ins) {
 __device__ void signal_counter(const KernelArgs& a, const int* ins) {
   const int cid = ins[isa::F_SIGNAL];
   if (cid == isa::NO_COUNTER) return;
-  fence_acq_rel_sys();
+  fence_acq_rel_ranks();
   const size_t off = (size_t)cid * isa::COUNTER_STRIDE;
   const int bits = ins[isa::F_SIGNAL_PEERS];
   if (bits & isa::SIG_PEERS) {
