@@ -6,6 +6,8 @@
 #   EXTRA_TESTS: more GPU test files/ids, run after the megakernel tests (e.g. tests/test_launcher.py).
 #   TEST_SHARDS: pytest processes sharing the selected tests round-robin (default 4: the tests'
 #   time is mostly the CPU interpreter, and the device machine has 16 cores).
+#   TPMK_MK_DEFINES: kernel macros (NAME=VALUE ...) for every build here, tests, sanitizer and
+#   bench alike: the whole check on a tuning variant (compile_megakernel reads it).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mk_out}; mkdir -p "$OUT"

@@ -372,6 +372,24 @@ def test_small_buckets_leave_shared_memory_to_l1():
     assert isa.attn_chunk(256, 2, 128) == 64 and isa.attn_chunk(256, 4, 1) == 32   # ATTN_KV_BYTES
 
 
+def test_kernel_macros_from_argument_and_environment(monkeypatch):
+    """compile_megakernel passes --define macros and TPMK_MK_DEFINES (so the GPU tests can run
+    on a tuning variant) to NVRTC as -D options, and names a malformed one."""
+    import tpmk.kernels.build as build
+    from tpmk.kernels.megakernel import compile_megakernel
+    seen = []
+    monkeypatch.setattr(build, "compile_to_cubin", lambda src, options, arch: seen.append(options) or b"")
+    monkeypatch.setenv("TPMK_MK_DEFINES", " PREFETCH_CAP=65536  MK_PROF_MARK=8 ")
+    compile_megakernel(torch.float32, defines=("MK_SYS_SCOPE",))
+    assert seen == [["-DMK_FLOAT32", "-DMK_SYS_SCOPE", "-DPREFETCH_CAP=65536", "-DMK_PROF_MARK=8"]]
+    monkeypatch.setenv("TPMK_MK_DEFINES", "")
+    compile_megakernel(torch.bfloat16)
+    assert seen[-1] == []
+    monkeypatch.setenv("TPMK_MK_DEFINES", "-O0")
+    with pytest.raises(ValueError, match="'-O0' is not NAME or NAME=VALUE"):
+        compile_megakernel(torch.bfloat16)
+
+
 def test_profile_trace_events_without_gpu():
     """Host-side formatting of --profile timestamps into Chrome-trace events."""
     from tpmk.kernels.megakernel import Megakernel

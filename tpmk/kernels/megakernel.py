@@ -10,6 +10,8 @@ Buffers mirror the interpreter's `RankState`; the kernel arguments are
 from __future__ import annotations
 
 import ctypes
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -37,14 +39,19 @@ def _check(res, what: str):
 
 def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> bytes:
     """NVRTC -> cubin through tpmk.kernels.build (disk cache keyed by sources, options, NVRTC).
-    `defines`: extra NAME=VALUE macros for tuning experiments (bench/decode.py --define)."""
+    `defines`: extra NAME=VALUE macros for tuning experiments (bench/decode.py --define); the
+    environment's TPMK_MK_DEFINES (space-separated) are added to every build of the process,
+    so the GPU tests can check a variant (bench/gpu_mk_check.sh)."""
     from tpmk.kernels.build import compile_to_cubin
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"megakernel dtype={dtype} unsupported; use bfloat16 or float32")
     opts = []
     if dtype == torch.float32:
         opts.append("-DMK_FLOAT32")
-    opts += [f"-D{d}" for d in defines]
+    for d in (*defines, *os.environ.get("TPMK_MK_DEFINES", "").split()):
+        if not re.fullmatch(r"[A-Za-z_]\w*(=\S+)?", d):
+            raise ValueError(f"kernel macro {d!r} is not NAME or NAME=VALUE")
+        opts.append(f"-D{d}")
     return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
 
 
