@@ -45,14 +45,24 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
     from tpmk.kernels.build import compile_to_cubin
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"megakernel dtype={dtype} unsupported; use bfloat16 or float32")
-    opts = []
-    if dtype == torch.float32:
-        opts.append("-DMK_FLOAT32")
-    for d in (*defines, *os.environ.get("TPMK_MK_DEFINES", "").split()):
+    opts = ["-DMK_FLOAT32"] if dtype == torch.float32 else []
+    opts += [f"-D{d}" for d in kernel_macros(defines)]
+    return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
+
+
+def kernel_macros(defines: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """`defines` and the environment's TPMK_MK_DEFINES (space-separated), each checked to be
+    NAME or NAME=VALUE: the macros of a megakernel build."""
+    macros = (*defines, *os.environ.get("TPMK_MK_DEFINES", "").split())
+    for d in macros:
         if not re.fullmatch(r"[A-Za-z_]\w*(=\S+)?", d):
             raise ValueError(f"kernel macro {d!r} is not NAME or NAME=VALUE")
-        opts.append(f"-D{d}")
-    return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
+    return macros
+
+
+def macro_defined(macros: tuple[str, ...], name: str) -> bool:
+    """Whether `name` is among `macros` (NAME or NAME=anything: what #ifdef sees)."""
+    return any(m.split("=", 1)[0] == name for m in macros)
 
 
 def out_words(sched: Schedule) -> int:
@@ -61,8 +71,10 @@ def out_words(sched: Schedule) -> int:
                for i in sched.instructions if i.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
 
 
-def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype) -> int:
-    """The least dynamic shared memory the ops need; the kernel is launched with it."""
+def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype,
+               macros: tuple[str, ...] = ()) -> int:
+    """The least dynamic shared memory the ops need; the kernel is launched with it. `macros`:
+    the build's (kernel_macros); MK_OPROJ_SMEM asks for room for an o_proj tile."""
     hq, hkv = local_heads(cfg, sched.tp)
     G, D = hq // hkv, cfg.head_dim
     # attention.cuh: q (f32, or bf16 [16, D + 8] for the tensor cores), scores, bf16
@@ -87,7 +99,28 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype)
     # / 15.58 and 11.56 / 15.53 ms against 12.97 / 16.86 and 13.18 / 17.16 with all 128 rows.
     if dtype == torch.bfloat16 and sched.bucket >= isa.MMA_MIN_BATCH:
         words = max(words, mma_words(sched), residual_words(sched))   # batch >= MMA_MIN_BATCH
+    if macro_defined(macros, "MK_OPROJ_SMEM"):
+        words = max(words, early_weight_words(cfg, sched, kmax, dtype))
     return 4 * (NWARPS * BATCH_CHUNK + words)
+
+
+# MK_OPROJ_SMEM: at most this much shared memory in all with an o_proj tile's weights (the rest
+# stays L1, which holds the stack frames).
+EARLY_WEIGHT_LIMIT = 168 * 1024
+
+
+def early_weight_words(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype) -> int:
+    """MK_OPROJ_SMEM (an experiment, mk_linear.cuh early_weights): below MMA_MIN_BATCH,
+    linear()'s words for the tallest o_proj tile and then the tile's weights (no other op runs
+    on the SM between their copy and the o_proj, so they may overlap the other ops' words); 0
+    where that passes EARLY_WEIGHT_LIMIT (the kernel then streams the tile as usual)."""
+    if sched.bucket >= isa.MMA_MIN_BATCH:
+        return 0
+    hq, _ = local_heads(cfg, sched.tp)
+    rows = max((i.nrows for i in sched.instructions if i.name == "o_proj"), default=0)
+    w = (min(BATCH_CHUNK, sched.bucket) * (kmax + rows)                 # the kernel's rule
+         + -(-rows * hq * cfg.head_dim * dtype.itemsize // 16) * 4)     # 16-byte aligned rows
+    return w if 4 * (NWARPS * BATCH_CHUNK + w) <= EARLY_WEIGHT_LIMIT else 0
 
 
 def mma_words(sched: Schedule) -> int:
@@ -108,7 +141,8 @@ def residual_words(sched: Schedule) -> int:
     return words
 
 
-def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple[int, int]:
+def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype,
+                 macros: tuple[str, ...] = ()) -> tuple[int, int]:
     """Refuses what the kernel cannot run, naming the value; needs no GPU (Megakernel calls it
     before touching the device). Returns (kmax, dynamic shared-memory bytes)."""
     isa.check_vocab(cfg.vocab_size)
@@ -128,7 +162,7 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple
         raise ValueError(f"num_splits={sched.num_splits} > 32 (the split merge uses one lane "
                          f"per split)")
     kmax = max(H, hq * D, inter)
-    smem = smem_bytes(cfg, sched, kmax, dtype)
+    smem = smem_bytes(cfg, sched, kmax, dtype, macros)
     if smem > SMEM_LIMIT:
         raise ValueError(f"megakernel needs {smem} B of shared memory (kmax={kmax}), "
                          f"over {SMEM_LIMIT}; lower BATCH_CHUNK or tile sizes")
@@ -164,7 +198,7 @@ class Megakernel:
             raise ValueError(f"loopback runs one rank alone, but reduce={sched.reduce!r} needs the "
                              f"other ranks' owner tiles; build the schedule with reduce='oneshot'")
         dtype = shards[0].qkv.dtype
-        kmax, self.smem = check_shapes(cfg, sched, dtype)
+        kmax, self.smem = check_shapes(cfg, sched, dtype, kernel_macros(defines))
         dev = k_caches[0].device
         if dev.type != "cuda":
             raise ValueError(f"the megakernel needs CUDA tensors, got caches on {dev}")
