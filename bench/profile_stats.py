@@ -58,43 +58,40 @@ def stats(events: list[dict], pid: int = 0) -> list[dict]:
     return rows, total
 
 
-def starts(events: list[dict], pid: int = 0) -> list[dict]:
-    ev = [e for e in events if e.get("pid", 0) == pid]
+def _median(v: list[float]) -> float:
+    return sorted(v)[len(v) // 2]
+
+
+def _after_previous_stage(events: list[dict], pid: int):
+    """Rank `pid`'s stages in program order after the first: (the stage's op, its instructions'
+    (start, end) in us after the previous stage's last end)."""
     stages: dict[int, list[dict]] = defaultdict(list)
-    for e in ev:
-        stages[e["args"]["stage"]].append(e)
-    per_op: dict[str, dict] = {}
+    for e in events:
+        if e.get("pid", 0) == pid:
+            stages[e["args"]["stage"]].append(e)
     prev_end = None
     for k in sorted(stages):
         es = stages[k]
-        end = max(e["ts"] + e["dur"] for e in es)
         if prev_end is not None:
-            s = per_op.setdefault(es[0]["name"].split()[0], dict(start=[], end=[]))
-            s["start"] += [e["ts"] - prev_end for e in es]
-            s["end"] += [e["ts"] + e["dur"] - prev_end for e in es]
-        prev_end = end
-    med = lambda v: sorted(v)[len(v) // 2]
-    return [dict(op=op, n=len(s["start"]), start_us=med(s["start"]), end_us=med(s["end"]),
+            yield es[0]["name"].split()[0], [(e["ts"] - prev_end, e["ts"] + e["dur"] - prev_end) for e in es]
+        prev_end = max(e["ts"] + e["dur"] for e in es)
+
+
+def starts(events: list[dict], pid: int = 0) -> list[dict]:
+    per_op: dict[str, dict] = {}
+    for op, se in _after_previous_stage(events, pid):
+        s = per_op.setdefault(op, dict(start=[], end=[]))
+        s["start"] += [st for st, _ in se]
+        s["end"] += [en for _, en in se]
+    return [dict(op=op, n=len(s["start"]), start_us=_median(s["start"]), end_us=_median(s["end"]),
                  last_end_us=max(s["end"])) for op, s in per_op.items()]
 
 
 def detail(events: list[dict], op: str, pid: int = 0) -> list[tuple[float, float]]:
     """(median start, median end) of the k-th instruction of OP's stages ranked by end."""
-    ev = [e for e in events if e.get("pid", 0) == pid]
-    stages: dict[int, list[dict]] = defaultdict(list)
-    for e in ev:
-        stages[e["args"]["stage"]].append(e)
-    ranked: list[list[tuple[float, float]]] = []
-    prev_end = None
-    for k in sorted(stages):
-        es = stages[k]
-        if prev_end is not None and es[0]["name"].split()[0] == op:
-            ranked.append(sorted(((e["ts"] - prev_end, e["ts"] + e["dur"] - prev_end) for e in es),
-                                 key=lambda se: se[1]))
-        prev_end = max(e["ts"] + e["dur"] for e in es)
-    med = lambda v: sorted(v)[len(v) // 2]
+    ranked = [sorted(se, key=lambda x: x[1]) for o, se in _after_previous_stage(events, pid) if o == op]
     n = min((len(r) for r in ranked), default=0)
-    return [(med([r[i][0] for r in ranked]), med([r[i][1] for r in ranked])) for i in range(n)]
+    return [(_median([r[i][0] for r in ranked]), _median([r[i][1] for r in ranked])) for i in range(n)]
 
 
 def main():
