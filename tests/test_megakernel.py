@@ -409,6 +409,20 @@ def test_oproj_smem_experiment_sizes_shared_memory(monkeypatch):
     assert kernel_macros(("A=1",)) == ("A=1",)
 
 
+def test_wgmma_experiment_refuses_k_not_a_multiple_of_32(monkeypatch):
+    """MK_WGMMA (compiled out by default) permutes the activations within 32-column blocks, so a
+    tensor-core bucket whose K is not a multiple of 32 is refused, naming the value; buckets below
+    MMA_MIN_BATCH and the default build accept it."""
+    from tpmk.kernels.megakernel import check_shapes
+    monkeypatch.delenv("TPMK_MK_DEFINES", raising=False)
+    cfg = ModelConfig.from_name("tiny").replace(intermediate_size=400)   # 200 per rank at tp 2
+    on = ("MK_WGMMA=1",)
+    with pytest.raises(ValueError, match="intermediate/tp=200 must be a multiple of 32 for the MK_WGMMA"):
+        check_shapes(cfg, build_schedule(cfg, 2, 8, 4), torch.bfloat16, on)
+    check_shapes(cfg, build_schedule(cfg, 2, 4, 4), torch.bfloat16, on)
+    check_shapes(cfg, build_schedule(cfg, 2, 8, 4), torch.bfloat16)
+
+
 def test_profile_trace_events_without_gpu():
     """Host-side formatting of --profile timestamps into Chrome-trace events."""
     from tpmk.kernels.megakernel import Megakernel

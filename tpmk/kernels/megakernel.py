@@ -151,6 +151,9 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype,
     for name, k in (("hidden_size", H), ("q_heads*head_dim", hq * D), ("intermediate/tp", inter)):
         if k % 8:
             raise ValueError(f"{name}={k} must be a multiple of 8 for 16-byte loads")
+        if k % 32 and macro_defined(macros, "MK_WGMMA") and sched.bucket >= isa.MMA_MIN_BATCH:
+            raise ValueError(f"{name}={k} must be a multiple of 32 for the MK_WGMMA build "
+                             "(its activations are permuted within 32-column blocks)")
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim={D} is not supported by the megakernel's attention; "
                          f"supported: {HEAD_DIMS} (every Llama model uses 64 or 128)")

@@ -93,6 +93,48 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
   cp_async_commit();
 }
 
+// ss[b] = row b0 + b's sum of squares (b < nb): its residual tiles' partials in fixed order; a
+// warp's rows b = warp + r NWARPS load together (one round trip per 32 partials).
+__device__ __forceinline__ void mma_row_ssq(const XSrc& src, int b0, int nb, float* ss) {
+  constexpr int R = MMA_PASS / NWARPS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float s2[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) s2[r] = 0.f;
+  for (int j = lane; j < src.nss; j += 32)
+#pragma unroll
+    for (int r = 0; r < R; r++)
+      if (warp + r * NWARPS < nb) s2[r] += ld_act(src.ssq + (size_t)(b0 + warp + r * NWARPS) * src.nss + j);
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    const float t = warp_sum(s2[r]);
+    if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
+  }
+}
+
+// outs[b * nrows + r] for the m16 tiles m16_0 .. m16_0 + count of a pass, each the fixed-order
+// sum of its ks K parts' partials: part[((w * NT + n) * 4 + i) * 32 + lane] of warp
+// w = warp_of(m, p) (m: the tile's index in the pass, p: the K part), times the RMSNorm scale.
+// C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols), so lane
+// ln's acc[n][i] is row 8 (i / 2) + ln / 4 of the m-tile, batch row 8 n + 2 (ln % 4) + i % 2.
+// Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
+// conflicts; with the batch row fastest, 8 lanes shared a bank) and its stores to outs hit 8
+// banks (32 lanes on one with nrows % 32 == 0).
+template <int NT, class WarpOf>
+__device__ __forceinline__ void mma_combine(const KernelArgs& a, int K, int nb, int nrows, int m16_0, int count,
+                                            int ks, WarpOf warp_of, const XSrc& src, const float* ss,
+                                            const float* part, float* outs) {
+  for (int idx = threadIdx.x; idx < count * NT * 128; idx += NTHREADS) {
+    const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);
+    const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (m16_0 + m) * 16 + r16;
+    if (r >= nrows || b >= nb) continue;
+    float v = 0.f;
+    for (int p = 0; p < ks; p++) v += part[((warp_of(m, p) * NT + n) * 4 + i) * 32 + ln];
+    if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
+    outs[b * nrows + r] = v;
+  }
+}
+
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
 // NT n-tiles of 8 batch rows; warps take (m-tile of 16 rows, K part); K parts interleave the
 // 32-wide k blocks of each chunk and are summed in fixed order, as are the RMSNorm partials.
@@ -141,22 +183,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     uint4 ca[U], cb[U];
     load_group(0, ca, cb);
     mma_stage<NT>(xsrc, src.ldx, nb - row0, kk < K, src.bf, xdst);
-    if (src.nw && mt0 == 0) {   // row b's sum of squares: its residual tiles' partials in fixed
-      // order; a warp's rows b = warp + r NWARPS load together (one round trip per 32 partials)
-      constexpr int R = MMA_PASS / NWARPS;
-      float s2[R];
-#pragma unroll
-      for (int r = 0; r < R; r++) s2[r] = 0.f;
-      for (int j = lane; j < src.nss; j += 32)
-#pragma unroll
-        for (int r = 0; r < R; r++)
-          if (warp + r * NWARPS < nb) s2[r] += ld_act(src.ssq + (size_t)(b0 + warp + r * NWARPS) * src.nss + j);
-#pragma unroll
-      for (int r = 0; r < R; r++) {
-        const float t = warp_sum(s2[r]);
-        if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
-      }
-    }
+    if (src.nw && mt0 == 0) mma_row_ssq(src, b0, nb, ss);
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
       cp_async_wait_all();   // this thread's copies of chunk c
@@ -196,23 +223,174 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
         for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
     __syncthreads();
-    // C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols), so lane
-    // ln's acc[n][i] is row 8 (i / 2) + ln / 4 of the m-tile, batch row 8 n + 2 (ln % 4) + i % 2.
-    // Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
-    // conflicts; with the batch row fastest, 8 lanes shared a bank) and its stores to outs hit 8
-    // banks (32 lanes on one with nrows % 32 == 0).
-    for (int idx = threadIdx.x; idx < mcount * NT * 128; idx += NTHREADS) {
-      const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);
-      const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (mt0 + m) * 16 + r16;
-      if (r >= nrows || b >= nb) continue;
-      float v = 0.f;
-      for (int p = 0; p < ks; p++) v += part[(((m * ks + p) * NT + n) * 4 + i) * 32 + ln];
-      if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
-      outs[b * nrows + r] = v;
-    }
+    mma_combine<NT>(a, K, nb, nrows, mt0, mcount, ks, [ks](int m, int p) { return m * ks + p; }, src, ss, part, outs);
     __syncthreads();   // part is read; the next m-tile pass refills the buffers under it
   }
 }
+
+#ifdef MK_WGMMA
+// Experiment (compiled out by default): the matvec on wgmma (m64nNk16, N = the pass's batch
+// rows). The weights stay the A operand from registers (the same 16-byte loads and k permutation:
+// a warp of a warpgroup holds the m16n8k16 A fragment of its 16 rows), the activations are B
+// from shared memory, read once per warpgroup (64 rows) instead of once per warp (16 rows).
+// B is in the canonical no-swizzle K-major layout: element (n, kk) of a chunk at byte
+// (n / 8) KC 16 + (kk / 8) 128 + (n % 8) 16 + (kk % 8) 2, so the 8 logical k of a core-matrix
+// row must be 16 contiguous bytes: the producers store the activations in the weights' k
+// permutation (store_bf16x4, mk_common.cuh; K a multiple of 32, host-checked), and a chunk
+// lands with 16-byte cp.asyncs.
+// The descriptor's leading byte offset (LBO) is the step between the two k8 core matrices of a
+// k16 step (128 bytes here), the stride (SBO) the step between 8-row groups of n (KC 16 bytes);
+// WG_SWAP swaps them (for the probe of which reading of the PTX table is right).
+template <int NT>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[NT][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                           unsigned long long desc);
+template <>
+__device__ __forceinline__ void wgmma_bf16<1>(float (&d)[1][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                           unsigned long long desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, 1, 1, 1, 0;"
+               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
+               : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_bf16<2>(float (&d)[2][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                           unsigned long long desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1, 0;"
+               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
+               : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_bf16<4>(float (&d)[4][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                           unsigned long long desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;"
+               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
+               : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_bf16<8>(float (&d)[8][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                           unsigned long long desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
+               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
+               : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_bf16<16>(float (&d)[16][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                           unsigned long long desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 0;"
+               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
+               : "memory");
+}
+__device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((__cvta_generic_to_shared(p) & 0x3ffff) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
+         (unsigned long long)(sbo >> 4) << 32;
+}
+
+// Chunk [kc0, kc0 + KC) of rows b0 .. b0 + nb (rows >= nb and columns >= K zero-filled) into
+// dst in the canonical layout; consecutive threads take consecutive rows n % 8 (16 bytes apart
+// in shared memory), committed as one group.
+template <int NT>
+__device__ __forceinline__ void wg_stage(const __nv_bfloat16* x, int ldx, int b0, int nb, int kc0, int K,
+                                         char* dst) {
+  constexpr int KC = mma_kc<NT>(), P = NT * 8 * KC / 8 / NTHREADS;
+  static_assert(P * NTHREADS == NT * KC, "whole copies per thread");
+#pragma unroll
+  for (int e = 0; e < P; e++) {
+    const int i = threadIdx.x + e * NTHREADS, n = i % 8 + i / KC * 8, k8 = i / 8 % (KC / 8);
+    const bool ok = n < nb && kc0 + k8 * 8 < K;
+    cp_async16(dst + (n / 8) * KC * 16 + k8 * 128 + (n % 8) * 16, ok ? x + (size_t)(b0 + n) * ldx + kc0 + k8 * 8 : x,
+               ok ? 16 : 0);
+  }
+  cp_async_commit();
+}
+
+// matvec_mma_nt's contract on wgmma. Warpgroup wg (warps 4 wg .. 4 wg + 3) takes an m64 tile;
+// a pass covers two m64 tiles, or one split over both warpgroups' K parts.
+template <int NT>
+__device__ __noinline__ void matvec_wgmma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
+                                             const RowMap& row, float* outs, float* sm) {
+  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
+#ifdef WG_SWAP
+  constexpr unsigned LBO = KC * 16, SBO = 128;
+#else
+  constexpr unsigned LBO = 128, SBO = KC * 16;
+#endif
+  static_assert(NWARPS == 8, "two warpgroups");
+  float* ss = sm;
+  char* xbuf = reinterpret_cast<char*>(sm + MMA_PASS);   // 2 x NB * KC bf16 (within 2 x [NB][XS])
+  float* part = sm + MMA_PASS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, wg = warp >> 2, wl = warp & 3;
+  const int m64 = (nrows + 63) / 64, nchunks = (K + KC - 1) / KC;
+  for (int mt0 = 0; mt0 < m64; mt0 += 2) {
+    const int mcount = min(2, m64 - mt0), ks = 2 / mcount, mt = mt0 + wg / ks, kp = wg % ks;
+    const int r0 = mt * 64 + wl * 16;
+    const bool live = r0 < nrows;   // warp-uniform; a dead warp feeds zeros to its warpgroup's wgmmas
+    const int groups = (NKB + ks * U - 1) / (ks * U), ngroups = nchunks * groups;
+    const wtype* wa = row(min(r0 + g, nrows - 1));
+    const wtype* wb = row(min(r0 + g + 8, nrows - 1));
+    auto load_group = [&](int gi, uint4 (&ua)[U], uint4 (&ub)[U]) {
+      const int kc0 = gi / groups * KC, kb0 = kp + gi % groups * U * ks;
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int kb = kb0 + u * ks, k = kc0 + kb * 32 + 8 * t;
+        const bool ok = live && gi < ngroups && kb < NKB && k < K;
+        ua[u] = ok ? ldg_w<true>(wa + k) : make_uint4(0, 0, 0, 0);
+        ub[u] = ok ? ldg_w<true>(wb + k) : make_uint4(0, 0, 0, 0);
+      }
+    };
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
+    uint4 ca[U], cb[U];
+    load_group(0, ca, cb);
+    wg_stage<NT>(src.bf, src.ldx, b0, nb, 0, K, xbuf);
+    if (src.nw && mt0 == 0) mma_row_ssq(src, b0, nb, ss);
+    for (int c = 0; c < nchunks; c++) {
+      const int kc0 = c * KC;
+      cp_async_wait_all();
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async writes -> wgmma reads
+      __syncthreads();
+      if (c == 0 && mt0 == 0) prof_mark(a, 8);
+      if (c + 1 < nchunks) wg_stage<NT>(src.bf, src.ldx, b0, nb, kc0 + KC, K, xbuf + (c + 1) % 2 * NB * XS * 2);
+      const char* xc = xbuf + c % 2 * NB * XS * 2;
+      for (int gc = 0; gc < groups; gc++) {
+        uint4 na[U], nb2[U];
+        load_group(c * groups + gc + 1, na, nb2);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+          const int kbu = kp + (gc * U + u) * ks;
+          if (kbu < NKB && kc0 + kbu * 32 < K) {   // warpgroup-uniform
+            const char* p = xc + kbu * 4 * 128;   // logical k 32 kbu of the chunk
+            wgmma_bf16<NT>(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
+            wgmma_bf16<NT>(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
+          }
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+        for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
+      }
+    }
+    __syncthreads();
+    prof_mark(a, 9);
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
+    __syncthreads();
+    mma_combine<NT>(a, K, nb, nrows, mt0 * 4, min(4 * mcount, (nrows + 15) / 16 - mt0 * 4), ks,
+                    [ks](int m, int p) { return (m / 4 * ks + p) * 4 + m % 4; }, src, ss, part, outs);
+    __syncthreads();
+  }
+}
+#define matvec_mma_nt matvec_wgmma_nt
+#endif  // MK_WGMMA
 
 static_assert(MMA_PASS % 8 == 0 && MMA_PASS <= 128, "matvec_mma dispatches up to 16 n-tiles");
 __device__ void matvec_mma(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
