@@ -135,99 +135,6 @@ __device__ __forceinline__ void mma_combine(const KernelArgs& a, int K, int nb, 
   }
 }
 
-// outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
-// NT n-tiles of 8 batch rows; warps take (m-tile of 16 rows, K part); K parts interleave the
-// 32-wide k blocks of each chunk and are summed in fixed order, as are the RMSNorm partials.
-// Pipelined: a warp's weight loads run one group of U k blocks ahead of its MMAs, across chunk
-// boundaries (weights never wait for activations), and the next chunk's inputs are in flight
-// (cp.async into the other buffer) while this chunk's MMAs run: one barrier per chunk.
-template <int NT>
-__device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
-                                           const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
-  static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
-  float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
-  __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]
-  float* part = sm + MMA_PASS;             // [NWARPS][NT][4][32], reuses the buffers after the K loop
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int mtiles = (nrows + 15) / 16, nchunks = (K + KC - 1) / KC;
-  const int row0 = threadIdx.x / (KC / 8), kk = threadIdx.x % (KC / 8) * 8;   // this thread's copies
-  const __nv_bfloat16* xsrc = src.bf + (size_t)(b0 + row0) * src.ldx + kk;
-  __nv_bfloat16* xdst = xbuf + row0 * XS + kk;
-  for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
-    const int mcount = min(NWARPS, mtiles - mt0), ks = NWARPS / mcount;
-    const int mt = mt0 + warp / ks, kp = warp % ks;
-    const bool active = warp / ks < mcount;
-    const int groups = (NKB + ks * U - 1) / (ks * U);   // per chunk, the same for every warp
-    const int ngroups = nchunks * groups;
-    const wtype* wa = row(min(mt * 16 + g, nrows - 1));
-    const wtype* wb = row(min(mt * 16 + g + 8, nrows - 1));
-    // Group gi (chunk gi / groups): k blocks kp + (gi % groups * U + u) * ks of its chunk;
-    // zeros past the last group.
-    auto load_group = [&](int gi, uint4 (&ua)[U], uint4 (&ub)[U]) {
-      const int kc0 = gi / groups * KC, kb0 = kp + gi % groups * U * ks;
-      const bool live = active && gi < ngroups;
-#pragma unroll
-      for (int u = 0; u < U; u++) {
-        const int kb = kb0 + u * ks, k = kc0 + kb * 32 + 8 * t;
-        const bool ok = live && kb < NKB && k < K;
-        ua[u] = ok ? ldg_w<true>(wa + k) : make_uint4(0, 0, 0, 0);
-        ub[u] = ok ? ldg_w<true>(wb + k) : make_uint4(0, 0, 0, 0);
-      }
-    };
-    float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
-    uint4 ca[U], cb[U];
-    load_group(0, ca, cb);
-    mma_stage<NT>(xsrc, src.ldx, nb - row0, kk < K, src.bf, xdst);
-    if (src.nw && mt0 == 0) mma_row_ssq(src, b0, nb, ss);
-    for (int c = 0; c < nchunks; c++) {
-      const int kc0 = c * KC;
-      cp_async_wait_all();   // this thread's copies of chunk c
-      __syncthreads();   // everyone's copies of chunk c landed; chunk c - 1's buffer is no longer read
-      if (c == 0 && mt0 == 0) prof_mark(a, 8);   // the first chunk's activations landed
-      if (c + 1 < nchunks)
-        mma_stage<NT>(xsrc + kc0 + KC, src.ldx, nb - row0, kc0 + KC + kk < K, src.bf,
-                      xdst + (c + 1) % 2 * NB * XS);
-      const __nv_bfloat16* xc = xbuf + c % 2 * NB * XS;
-      for (int gc = 0; gc < groups; gc++) {
-        uint4 na[U], nb2[U];
-        load_group(c * groups + gc + 1, na, nb2);
-        if (active) {
-#pragma unroll
-          for (int u = 0; u < U; u++) {
-            const int kbu = kp + (gc * U + u) * ks;
-            if (kbu < NKB && kc0 + kbu * 32 < K) {   // warp-uniform
-#pragma unroll
-              for (int n = 0; n < NT; n++) {
-                const int off = (n * 8 + g) * XS + kbu * 32 + 8 * t;
-                const uint4 bx = *reinterpret_cast<const uint4*>(xc + off);
-                mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bx.x, bx.y);
-                mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bx.z, bx.w);
-              }
-            }
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
-      }
-    }
-    __syncthreads();   // the chunk buffers are no longer read
-    prof_mark(a, 9);   // the K loop's MMAs done (the last m-tile pass's)
-    if (active)
-#pragma unroll
-      for (int n = 0; n < NT; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
-    __syncthreads();
-    mma_combine<NT>(a, K, nb, nrows, mt0, mcount, ks, [ks](int m, int p) { return m * ks + p; }, src, ss, part, outs);
-    __syncthreads();   // part is read; the next m-tile pass refills the buffers under it
-  }
-}
-
 #ifdef MK_WGMMA
 // Experiment (compiled out by default): the matvec on wgmma (m64nNk16, N = the pass's batch
 // rows). The weights stay the A operand from registers (the same 16-byte loads and k permutation:
@@ -241,6 +148,12 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 // The descriptor's leading byte offset (LBO) is the step between the two k8 core matrices of a
 // k16 step (128 bytes here), the stride (SBO) the step between 8-row groups of n (KC 16 bytes);
 // WG_SWAP swaps them (for the probe of which reading of the PTX table is right).
+constexpr bool MMA_WG = true;
+#ifdef WG_SWAP
+constexpr bool WG_SWAPPED = true;
+#else
+constexpr bool WG_SWAPPED = false;
+#endif
 template <int NT>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[NT][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                            unsigned long long desc);
@@ -306,37 +219,59 @@ __device__ __forceinline__ void wg_stage(const __nv_bfloat16* x, int ldx, int b0
   }
   cp_async_commit();
 }
-
-// matvec_mma_nt's contract on wgmma. Warpgroup wg (warps 4 wg .. 4 wg + 3) takes an m64 tile;
-// a pass covers two m64 tiles, or one split over both warpgroups' K parts.
-template <int NT>
-__device__ __noinline__ void matvec_wgmma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
-                                             const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
-#ifdef WG_SWAP
-  constexpr unsigned LBO = KC * 16, SBO = 128;
-#else
-  constexpr unsigned LBO = 128, SBO = KC * 16;
+#endif  // MK_WGMMA
+#ifndef MK_WGMMA
+constexpr bool MMA_WG = false;
 #endif
-  static_assert(NWARPS == 8, "two warpgroups");
-  float* ss = sm;
-  char* xbuf = reinterpret_cast<char*>(sm + MMA_PASS);   // 2 x NB * KC bf16 (within 2 x [NB][XS])
-  float* part = sm + MMA_PASS;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, wg = warp >> 2, wl = warp & 3;
-  const int m64 = (nrows + 63) / 64, nchunks = (K + KC - 1) / KC;
-  for (int mt0 = 0; mt0 < m64; mt0 += 2) {
-    const int mcount = min(2, m64 - mt0), ks = 2 / mcount, mt = mt0 + wg / ks, kp = wg % ks;
-    const int r0 = mt * 64 + wl * 16;
-    const bool live = r0 < nrows;   // warp-uniform; a dead warp feeds zeros to its warpgroup's wgmmas
-    const int groups = (NKB + ks * U - 1) / (ks * U), ngroups = nchunks * groups;
+
+// outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
+// NT n-tiles of 8 batch rows; units of UM warps take (m-tile of 16 UM rows, K part) (mma.sync:
+// a warp and 16 rows; MK_WGMMA: a warpgroup and 64); K parts interleave the
+// 32-wide k blocks of each chunk and are summed in fixed order, as are the RMSNorm partials.
+// Pipelined: a warp's weight loads run one group of U k blocks ahead of its MMAs, across chunk
+// boundaries (weights never wait for activations), and the next chunk's inputs are in flight
+// (cp.async into the other buffer) while this chunk's MMAs run: one barrier per chunk.
+template <int NT>
+__device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
+                                           const RowMap& row, float* outs, float* sm) {
+  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
+  constexpr int UM = MMA_WG ? 4 : 1, UNITS = NWARPS / UM;   // warps per m-tile unit, units per pass
+  static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
+  float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
+  __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]
+  float* part = sm + MMA_PASS;             // [NWARPS][NT][4][32], reuses the buffers after the K loop
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, unit = warp / UM;
+  const int mtiles = (nrows + 16 * UM - 1) / (16 * UM), nchunks = (K + KC - 1) / KC;
+  const int row0 = threadIdx.x / (KC / 8), kk = threadIdx.x % (KC / 8) * 8;   // this thread's copies
+  const __nv_bfloat16* xsrc = src.bf + (size_t)(b0 + row0) * src.ldx + kk;
+  __nv_bfloat16* xdst = xbuf + row0 * XS + kk;
+  auto stage = [&](int c) {   // chunk c's activations into buffer c % 2
+    if constexpr (MMA_WG) {
+#ifdef MK_WGMMA
+      wg_stage<NT>(src.bf, src.ldx, b0, nb, c * KC, K, reinterpret_cast<char*>(xbuf + c % 2 * NB * XS));
+#endif
+    } else {
+      mma_stage<NT>(xsrc + c * KC, src.ldx, nb - row0, c * KC + kk < K, src.bf, xdst + c % 2 * NB * XS);
+    }
+  };
+  for (int mt0 = 0; mt0 < mtiles; mt0 += UNITS) {
+    const int mcount = min(UNITS, mtiles - mt0), ks = UNITS / mcount;
+    const int mt = mt0 + unit / ks, kp = unit % ks, r0 = mt * 16 * UM + warp % UM * 16;
+    // MK_WGMMA: a warp past the last row still feeds (zero) A fragments to its warpgroup's wgmmas
+    const bool active = unit / ks < mcount && r0 < nrows, mmas = MMA_WG || active;
+    const int groups = (NKB + ks * U - 1) / (ks * U);   // per chunk, the same for every warp
+    const int ngroups = nchunks * groups;
     const wtype* wa = row(min(r0 + g, nrows - 1));
     const wtype* wb = row(min(r0 + g + 8, nrows - 1));
+    // Group gi (chunk gi / groups): k blocks kp + (gi % groups * U + u) * ks of its chunk;
+    // zeros past the last group.
     auto load_group = [&](int gi, uint4 (&ua)[U], uint4 (&ub)[U]) {
       const int kc0 = gi / groups * KC, kb0 = kp + gi % groups * U * ks;
+      const bool live = active && gi < ngroups;
 #pragma unroll
       for (int u = 0; u < U; u++) {
         const int kb = kb0 + u * ks, k = kc0 + kb * 32 + 8 * t;
-        const bool ok = live && gi < ngroups && kb < NKB && k < K;
+        const bool ok = live && kb < NKB && k < K;
         ua[u] = ok ? ldg_w<true>(wa + k) : make_uint4(0, 0, 0, 0);
         ub[u] = ok ? ldg_w<true>(wb + k) : make_uint4(0, 0, 0, 0);
       }
@@ -348,49 +283,66 @@ __device__ __noinline__ void matvec_wgmma_nt(const KernelArgs& a, int K, int b0,
       for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
     uint4 ca[U], cb[U];
     load_group(0, ca, cb);
-    wg_stage<NT>(src.bf, src.ldx, b0, nb, 0, K, xbuf);
+    stage(0);
     if (src.nw && mt0 == 0) mma_row_ssq(src, b0, nb, ss);
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
-      cp_async_wait_all();
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async writes -> wgmma reads
-      __syncthreads();
-      if (c == 0 && mt0 == 0) prof_mark(a, 8);
-      if (c + 1 < nchunks) wg_stage<NT>(src.bf, src.ldx, b0, nb, kc0 + KC, K, xbuf + (c + 1) % 2 * NB * XS * 2);
-      const char* xc = xbuf + c % 2 * NB * XS * 2;
+      cp_async_wait_all();   // this thread's copies of chunk c
+      if constexpr (MMA_WG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // -> wgmma's reads
+      __syncthreads();   // everyone's copies of chunk c landed; chunk c - 1's buffer is no longer read
+      if (c == 0 && mt0 == 0) prof_mark(a, 8);   // the first chunk's activations landed
+      if (c + 1 < nchunks) stage(c + 1);
+      const __nv_bfloat16* xc = xbuf + c % 2 * NB * XS;
       for (int gc = 0; gc < groups; gc++) {
         uint4 na[U], nb2[U];
         load_group(c * groups + gc + 1, na, nb2);
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        if (mmas) {
+          if constexpr (MMA_WG) asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-          const int kbu = kp + (gc * U + u) * ks;
-          if (kbu < NKB && kc0 + kbu * 32 < K) {   // warpgroup-uniform
-            const char* p = xc + kbu * 4 * 128;   // logical k 32 kbu of the chunk
-            wgmma_bf16<NT>(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
-            wgmma_bf16<NT>(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
+          for (int u = 0; u < U; u++) {
+            const int kbu = kp + (gc * U + u) * ks;
+            if (kbu < NKB && kc0 + kbu * 32 < K) {   // uniform over the unit
+              if constexpr (MMA_WG) {
+#ifdef MK_WGMMA
+                constexpr unsigned LBO = WG_SWAPPED ? KC * 16 : 128, SBO = WG_SWAPPED ? 128 : KC * 16;
+                const char* p = reinterpret_cast<const char*>(xc) + kbu * 4 * 128;   // logical k 32 kbu
+                wgmma_bf16<NT>(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
+                wgmma_bf16<NT>(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
+#endif
+              } else {
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                  const int off = (n * 8 + g) * XS + kbu * 32 + 8 * t;
+                  const uint4 bx = *reinterpret_cast<const uint4*>(xc + off);
+                  mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bx.x, bx.y);
+                  mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bx.z, bx.w);
+                }
+              }
+            }
+          }
+          if constexpr (MMA_WG) {
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");   // before ca / cb are reused
           }
         }
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
         for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
       }
     }
-    __syncthreads();
-    prof_mark(a, 9);
+    __syncthreads();   // the chunk buffers are no longer read
+    prof_mark(a, 9);   // the K loop's MMAs done (the last m-tile pass's)
+    if (mmas)
 #pragma unroll
-    for (int n = 0; n < NT; n++)
+      for (int n = 0; n < NT; n++)
 #pragma unroll
-      for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
+        for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
     __syncthreads();
-    mma_combine<NT>(a, K, nb, nrows, mt0 * 4, min(4 * mcount, (nrows + 15) / 16 - mt0 * 4), ks,
-                    [ks](int m, int p) { return (m / 4 * ks + p) * 4 + m % 4; }, src, ss, part, outs);
-    __syncthreads();
+    // the pass's m16 tiles: unit (m / UM) * ks + p's warp m % UM holds K part p of tile m
+    mma_combine<NT>(a, K, nb, nrows, mt0 * UM, min(mcount * UM, (nrows + 15) / 16 - mt0 * UM), ks,
+                    [ks](int m, int p) { return (m / UM * ks + p) * UM + m % UM; }, src, ss, part, outs);
+    __syncthreads();   // part is read; the next m-tile pass refills the buffers under it
   }
 }
-#define matvec_mma_nt matvec_wgmma_nt
-#endif  // MK_WGMMA
 
 static_assert(MMA_PASS % 8 == 0 && MMA_PASS <= 128, "matvec_mma dispatches up to 16 n-tiles");
 __device__ void matvec_mma(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
