@@ -58,12 +58,13 @@ __device__ __forceinline__ void mbar_expect(unsigned long long* b, unsigned byte
 __device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
-  unsigned ok;
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {   // bounded: traps
+  unsigned ok, spins = 0;
   do
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(ok) : "r"(smem_addr(b)), "r"(parity) : "memory");
-  while (!ok);
+  while (!ok && ++spins < (1u << 26));
+  if (!ok) __trap();   // a ring that never fills: the launch fails and main() reports it
 }
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -239,12 +240,12 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
           wg_fence();
 #pragma unroll
           for (int u = 0; u < U; u++) {
-            const int kb = wg + (gc * U + u) * KS;   // warpgroup-uniform
-            if (kb < NKB) {
-              const char* p = reinterpret_cast<const char*>(xc) + kb * 4 * 128;   // logical k 32 kb
-              wgmma_n32(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
-              wgmma_n32(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
-            }
+            // no branch around the wgmmas (ptxas would serialize them): a k block past the
+            // chunk has zero weights (load_group) and reads the chunk's last block
+            const int kb = min(wg + (gc * U + u) * KS, NKB - 1);
+            const char* p = reinterpret_cast<const char*>(xc) + kb * 4 * 128;   // logical k 32 kb
+            wgmma_n32(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
+            wgmma_n32(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
           }
           wg_commit();
           wg_wait0();

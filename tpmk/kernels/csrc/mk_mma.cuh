@@ -148,6 +148,9 @@ __device__ __forceinline__ void mma_combine(const KernelArgs& a, int K, int nb, 
 // The descriptor's leading byte offset (LBO) is the step between the two k8 core matrices of a
 // k16 step (128 bytes here), the stride (SBO) the step between 8-row groups of n (KC 16 bytes);
 // WG_SWAP swaps them (for the probe of which reading of the PTX table is right).
+// ptxas serializes these wgmmas (C7510: their pipeline crosses the call into matvec_mma_nt,
+// although each group waits for its own); matvec_mma_nt inlined instead: 282 spills. Branches
+// around them would serialize them as well (C7520), hence the clamped k blocks below.
 constexpr bool MMA_WG = true;
 #ifdef WG_SWAP
 constexpr bool WG_SWAPPED = true;
@@ -301,22 +304,23 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
           for (int u = 0; u < U; u++) {
             const int kbu = kp + (gc * U + u) * ks;
-            if (kbu < NKB && kc0 + kbu * 32 < K) {   // uniform over the unit
-              if constexpr (MMA_WG) {
+            if constexpr (MMA_WG) {
 #ifdef MK_WGMMA
-                constexpr unsigned LBO = WG_SWAPPED ? KC * 16 : 128, SBO = WG_SWAPPED ? 128 : KC * 16;
-                const char* p = reinterpret_cast<const char*>(xc) + kbu * 4 * 128;   // logical k 32 kbu
-                wgmma_bf16<NT>(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
-                wgmma_bf16<NT>(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
+              // No branch around the wgmmas (ptxas serializes wgmmas in a path it cannot prove
+              // convergent): a k block past the chunk or K has zero weights (load_group), and
+              // reads the chunk's last block (finite: staged, zero past K).
+              constexpr unsigned LBO = WG_SWAPPED ? KC * 16 : 128, SBO = WG_SWAPPED ? 128 : KC * 16;
+              const char* p = reinterpret_cast<const char*>(xc) + min(kbu, NKB - 1) * 4 * 128;   // logical k 32 kbu
+              wgmma_bf16<NT>(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
+              wgmma_bf16<NT>(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
 #endif
-              } else {
+            } else if (kbu < NKB && kc0 + kbu * 32 < K) {   // warp-uniform
 #pragma unroll
-                for (int n = 0; n < NT; n++) {
-                  const int off = (n * 8 + g) * XS + kbu * 32 + 8 * t;
-                  const uint4 bx = *reinterpret_cast<const uint4*>(xc + off);
-                  mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bx.x, bx.y);
-                  mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bx.z, bx.w);
-                }
+              for (int n = 0; n < NT; n++) {
+                const int off = (n * 8 + g) * XS + kbu * 32 + 8 * t;
+                const uint4 bx = *reinterpret_cast<const uint4*>(xc + off);
+                mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bx.x, bx.y);
+                mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bx.z, bx.w);
               }
             }
           }
