@@ -8,8 +8,10 @@ on its SM (instruction fetch + counter wait). --starts: per op, the medians over
 stages' instructions of start and end, in us after the previous stage's last end (with a
 -DMK_PROF_MARK=N build, "start" is probe point N). --detail OP: OP's instructions of a stage
 ranked by end, each rank's median start and end over the stages (where the stragglers are).
+--against B: per op, the critical-path us per stage of this trace and of trace B and B minus
+this (an A/B of two builds, e.g. bench/tune_sweep.sh's SWEEP_PROFILE traces).
 
-  python bench/profile_stats.py trace.json [--top N] [--starts] [--detail OP]
+  python bench/profile_stats.py trace.json [--top N] [--starts] [--detail OP] [--against B]
 """
 from __future__ import annotations
 
@@ -94,6 +96,24 @@ def detail(events: list[dict], op: str, pid: int = 0) -> list[tuple[float, float
     return [(_median([r[i][0] for r in ranked]), _median([r[i][1] for r in ranked])) for i in range(n)]
 
 
+def compare(events_a: list[dict], events_b: list[dict], pid: int = 0) -> list[dict]:
+    """Per op of either trace: critical-path us per stage in A and in B, and B - A (an op
+    missing from one trace counts 0 there), largest change first; plus a row "step" for
+    the two step spans."""
+    (ra, ta), (rb, tb) = stats(events_a, pid), stats(events_b, pid)
+    a = {r["op"]: r["crit_us_per_stage"] for r in ra}
+    b = {r["op"]: r["crit_us_per_stage"] for r in rb}
+    rows = [dict(op=op, a_us=a.get(op, 0.0), b_us=b.get(op, 0.0), delta_us=b.get(op, 0.0) - a.get(op, 0.0))
+            for op in {*a, *b}]
+    rows.sort(key=lambda r: (-abs(r["delta_us"]), r["op"]))
+    return [dict(op="step", a_us=ta, b_us=tb, delta_us=tb - ta), *rows]
+
+
+def _load(path: str) -> list[dict]:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
 def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)   # `| head` ends the listing quietly
     ap = argparse.ArgumentParser()
@@ -102,9 +122,9 @@ def main():
     ap.add_argument("--starts", action="store_true",
                     help="also: median start / end per op after the previous stage's last end")
     ap.add_argument("--detail", metavar="OP", help="also: OP's instructions ranked by end (medians over stages)")
+    ap.add_argument("--against", metavar="B", help="also: per op, critical-path us per stage here and in trace B")
     args = ap.parse_args()
-    with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    events = _load(args.trace)
     rows, total = stats(events)
     rows = rows[:args.top] if args.top > 0 else rows
     print(f"step span {total:.1f} us (rank 0)")
@@ -120,6 +140,10 @@ def main():
         print(f"{args.detail}: rank by end, median start / end us after the previous stage's last end")
         for i, (st, en) in enumerate(detail(events, args.detail)):
             print(f"{i:>4} {st:8.2f} {en:8.2f}")
+    if args.against:
+        print(f"{'op':>10} {'A us':>8} {'B us':>8} {'B - A':>8}   (critical path per stage; step: the spans; B = {args.against})")
+        for r in compare(events, _load(args.against)):
+            print(f"{r['op']:>10} {r['a_us']:8.2f} {r['b_us']:8.2f} {r['delta_us']:+8.2f}")
 
 
 if __name__ == "__main__":

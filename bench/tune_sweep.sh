@@ -4,6 +4,7 @@
 # first (NVRTC, disk cache), then bench/decode.py times each on the GPU alone.
 #   SWEEP_BENCH: bench/decode.py arguments (default: batch 1, ctx 1024, no baseline)
 #   SWEEP_PROFILE=1: a per-instruction trace of each variant, summarized by bench/profile_stats.py
+#     (and each variant's critical path per op against variant 1's: --against)
 #   SWEEP_ENV=1: each argument is environment settings (NAME=VALUE ...) instead of macros, one
 #     default build for all (for knobs the host code reads)
 #   A variant "@REV" times another tree's default build in the same call (a baseline): before
@@ -47,5 +48,9 @@ for v in "$@"; do
 done
 for t in "$OUT"/trace*.json; do
   [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t" --starts | sed -n 1,24p
+done
+for t in "$OUT"/trace_v[2-9]*.json; do   # every other variant against variant 1, op by op
+  [ -f "$t" ] && echo "== $(basename "$t") against trace_v1.json" &&
+    python3 bench/profile_stats.py "$OUT/trace_v1.json" --against "$t" | sed -n '/B - A/,$p'
 done
 echo "== all done at $(( $(date +%s) - t0 )) s"

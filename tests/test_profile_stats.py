@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from profile_stats import detail, starts, stats  # noqa: E402
+from profile_stats import compare, detail, starts, stats  # noqa: E402
 
 # SM 0: qkv [0, 10), attention [12, 20); SM 1: qkv [1, 6), attention [7, 10); rank 1's
 # events (pid 1) must not count.
@@ -55,3 +55,30 @@ def test_cli_reads_gzip_and_top(tmp_path):
                          check=True, capture_output=True, text=True).stdout.splitlines()
     assert out[0] == "step span 20.0 us (rank 0)"
     assert len(out) == 3 and out[2].split()[0] in ("qkv", "attention")
+
+
+def test_compare_two_traces_per_op():
+    # B: qkv ends at 6 instead of 10 (crit 6), attention then runs [8, 20) on SM 0 and
+    # [7, 9) on SM 1: its crit is 20 - 6 = 14. A's are 10 and 10 (above); spans 20 and 20.
+    b = [dict(e, dur=5.0) if e["name"] == "qkv L0 t0" else e for e in EVENTS]
+    b = [dict(e, ts=8.0, dur=12.0) if e["name"] == "attention L0 t0" and e["pid"] == 0 else e for e in b]
+    b = [dict(e, dur=2.0) if e["name"] == "attention L0 t1" else e for e in b]
+    rows = compare(EVENTS, b)
+    assert rows[0] == dict(op="step", a_us=20.0, b_us=20.0, delta_us=0.0)
+    assert rows[1:] == [dict(op="attention", a_us=10.0, b_us=14.0, delta_us=4.0),
+                        dict(op="qkv", a_us=10.0, b_us=6.0, delta_us=-4.0)]
+    # an op in one trace only counts 0 in the other
+    only = compare(EVENTS, [e for e in EVENTS if e["name"].startswith("qkv")])
+    assert dict(op="attention", a_us=10.0, b_us=0.0, delta_us=-10.0) in only
+
+
+def test_cli_against(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"traceEvents": EVENTS}))
+    b.write_text(json.dumps({"traceEvents": [dict(e, dur=5.0) if e["name"] == "qkv L0 t0" else e for e in EVENTS]}))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_stats.py"), str(a), "--against", str(b)],
+                         check=True, capture_output=True, text=True).stdout.splitlines()
+    at = next(i for i, line in enumerate(out) if line.split()[:3] == ["op", "A", "us"])
+    assert out[at + 1].split() == ["step", "20.00", "20.00", "+0.00"]
+    assert {tuple(line.split()) for line in out[at + 2:]} == {("qkv", "10.00", "6.00", "-4.00"),
+                                                                ("attention", "10.00", "14.00", "+4.00")}
