@@ -146,8 +146,10 @@ __device__ __forceinline__ void mma_combine(const KernelArgs& a, int K, int nb, 
 // permutation (store_bf16x4, mk_common.cuh; K a multiple of 32, host-checked), and a chunk
 // lands with 16-byte cp.asyncs.
 // The descriptor's leading byte offset (LBO) is the step between the two k8 core matrices of a
-// k16 step (128 bytes here), the stride (SBO) the step between 8-row groups of n (KC 16 bytes);
-// WG_SWAP swaps them (for the probe of which reading of the PTX table is right).
+// k16 step (128 bytes here), the stride (SBO) the step between 8-row groups of n (KC 16 bytes):
+// the PTX ISA's K-major no-swizzle canonical layout ((8,m),(T,2k)):((1T,SBO),(1,LBO)) (T = 8
+// bf16 = 16 bytes; "Canonical Layouts" under wgmma's shared memory matrix layout). WG_SWAP
+// swaps them, in case bench/mma_probe.cu finds the other reading right.
 // ptxas serializes these wgmmas (C7510: their pipeline crosses the call into matvec_mma_nt,
 // although each group waits for its own); matvec_mma_nt inlined instead: 282 spills. Branches
 // around them would serialize them as well (C7520), hence the clamped k blocks below.
