@@ -93,48 +93,6 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
   cp_async_commit();
 }
 
-// ss[b] = row b0 + b's sum of squares (b < nb): its residual tiles' partials in fixed order; a
-// warp's rows b = warp + r NWARPS load together (one round trip per 32 partials).
-__device__ __forceinline__ void mma_row_ssq(const XSrc& src, int b0, int nb, float* ss) {
-  constexpr int R = MMA_PASS / NWARPS;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float s2[R];
-#pragma unroll
-  for (int r = 0; r < R; r++) s2[r] = 0.f;
-  for (int j = lane; j < src.nss; j += 32)
-#pragma unroll
-    for (int r = 0; r < R; r++)
-      if (warp + r * NWARPS < nb) s2[r] += ld_act(src.ssq + (size_t)(b0 + warp + r * NWARPS) * src.nss + j);
-#pragma unroll
-  for (int r = 0; r < R; r++) {
-    const float t = warp_sum(s2[r]);
-    if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
-  }
-}
-
-// outs[b * nrows + r] for the m16 tiles m16_0 .. m16_0 + count of a pass, each the fixed-order
-// sum of its ks K parts' partials: part[((w * NT + n) * 4 + i) * 32 + lane] of warp
-// w = warp_of(m, p) (m: the tile's index in the pass, p: the K part), times the RMSNorm scale.
-// C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols), so lane
-// ln's acc[n][i] is row 8 (i / 2) + ln / 4 of the m-tile, batch row 8 n + 2 (ln % 4) + i % 2.
-// Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
-// conflicts; with the batch row fastest, 8 lanes shared a bank) and its stores to outs hit 8
-// banks (32 lanes on one with nrows % 32 == 0).
-template <int NT, class WarpOf>
-__device__ __forceinline__ void mma_combine(const KernelArgs& a, int K, int nb, int nrows, int m16_0, int count,
-                                            int ks, WarpOf warp_of, const XSrc& src, const float* ss,
-                                            const float* part, float* outs) {
-  for (int idx = threadIdx.x; idx < count * NT * 128; idx += NTHREADS) {
-    const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);
-    const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (m16_0 + m) * 16 + r16;
-    if (r >= nrows || b >= nb) continue;
-    float v = 0.f;
-    for (int p = 0; p < ks; p++) v += part[((warp_of(m, p) * NT + n) * 4 + i) * 32 + ln];
-    if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
-    outs[b * nrows + r] = v;
-  }
-}
-
 #ifdef MK_WGMMA
 // Experiment (compiled out by default): the matvec on wgmma (m64nNk16, N = the pass's batch
 // rows). The weights stay the A operand from registers (the same 16-byte loads and k permutation:
@@ -162,46 +120,62 @@ constexpr bool WG_SWAPPED = false;
 template <int NT>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[NT][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                            unsigned long long desc);
+// The accumulator operands of n-tile n: D's four f32 registers of it (m16n8k16 C fragment order).
+#define WG_D4(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
 template <>
 __device__ __forceinline__ void wgmma_bf16<1>(float (&d)[1][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                            unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, 1, 1, 1, 0;"
-               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
-               : "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3"
+               "}, {%4,%5,%6,%7}, %8, 1, 1, 1, 0;"
+               : WG_D4(0)
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_bf16<2>(float (&d)[2][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                            unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1, 0;"
-               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
-               : "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7"
+               "}, {%8,%9,%10,%11}, %12, 1, 1, 1, 0;"
+               : WG_D4(0), WG_D4(1)
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_bf16<4>(float (&d)[4][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                            unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;"
-               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
-               : "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+               "}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;"
+               : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3)
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_bf16<8>(float (&d)[8][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                            unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
-               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
-               : "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+               "}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
+               : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5),
+                 WG_D4(6), WG_D4(7)
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_bf16<16>(float (&d)[16][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                            unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 0;"
-               : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc)
-               : "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+               "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+               "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+               "}, {%64,%65,%66,%67}, %68, 1, 1, 1, 0;"
+               : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5),
+                 WG_D4(6), WG_D4(7), WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11),
+                 WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
 }
+#undef WG_D4
+
 __device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned lbo, unsigned sbo) {
   return (unsigned long long)((__cvta_generic_to_shared(p) & 0x3ffff) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
          (unsigned long long)(sbo >> 4) << 32;
@@ -289,11 +263,28 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     uint4 ca[U], cb[U];
     load_group(0, ca, cb);
     stage(0);
-    if (src.nw && mt0 == 0) mma_row_ssq(src, b0, nb, ss);
+    if (src.nw && mt0 == 0) {   // row b's sum of squares: its residual tiles' partials in fixed
+      // order; a warp's rows b = warp + r NWARPS load together (one round trip per 32 partials)
+      constexpr int R = MMA_PASS / NWARPS;
+      float s2[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) s2[r] = 0.f;
+      for (int j = lane; j < src.nss; j += 32)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+          if (warp + r * NWARPS < nb) s2[r] += ld_act(src.ssq + (size_t)(b0 + warp + r * NWARPS) * src.nss + j);
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const float t = warp_sum(s2[r]);
+        if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
+      }
+    }
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
       cp_async_wait_all();   // this thread's copies of chunk c
-      if constexpr (MMA_WG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // -> wgmma's reads
+      // MK_WGMMA: publishes this thread's cp.async writes of chunk c (generic proxy) to the
+      // wgmmas that read it after the barrier (async proxy)
+      if constexpr (MMA_WG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncthreads();   // everyone's copies of chunk c landed; chunk c - 1's buffer is no longer read
       if (c == 0 && mt0 == 0) prof_mark(a, 8);   // the first chunk's activations landed
       if (c + 1 < nchunks) stage(c + 1);
@@ -343,9 +334,23 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
         for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
     __syncthreads();
-    // the pass's m16 tiles: unit (m / UM) * ks + p's warp m % UM holds K part p of tile m
-    mma_combine<NT>(a, K, nb, nrows, mt0 * UM, min(mcount * UM, (nrows + 15) / 16 - mt0 * UM), ks,
-                    [ks](int m, int p) { return (m / UM * ks + p) * UM + m % UM; }, src, ss, part, outs);
+    // The pass's m16 tiles m (K part p of tile m: warp m % UM of unit (m / UM) ks + p), each
+    // output the fixed-order sum of its K parts, times the RMSNorm scale.
+    // C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols), so lane
+    // ln's acc[n][i] is row 8 (i / 2) + ln / 4 of the m-tile, batch row 8 n + 2 (ln % 4) + i % 2.
+    // Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
+    // conflicts; with the batch row fastest, 8 lanes shared a bank) and its stores to outs hit 8
+    // banks (32 lanes on one with nrows % 32 == 0).
+    const int m16s = min(mcount * UM, (nrows + 15) / 16 - mt0 * UM);
+    for (int idx = threadIdx.x; idx < m16s * NT * 128; idx += NTHREADS) {
+      const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);
+      const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (mt0 * UM + m) * 16 + r16;
+      if (r >= nrows || b >= nb) continue;
+      float v = 0.f;
+      for (int p = 0; p < ks; p++) v += part[((((m / UM * ks + p) * UM + m % UM) * NT + n) * 4 + i) * 32 + ln];
+      if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
+      outs[b * nrows + r] = v;
+    }
     __syncthreads();   // part is read; the next m-tile pass refills the buffers under it
   }
 }
