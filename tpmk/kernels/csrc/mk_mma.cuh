@@ -198,10 +198,9 @@ __device__ __forceinline__ void wg_stage(const __nv_bfloat16* x, int ldx, int b0
   }
   cp_async_commit();
 }
+#else
+constexpr bool MMA_WG = false;   // mma.sync
 #endif  // MK_WGMMA
-#ifndef MK_WGMMA
-constexpr bool MMA_WG = false;
-#endif
 
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
 // NT n-tiles of 8 batch rows; units of UM warps take (m-tile of 16 UM rows, K part) (mma.sync:
