@@ -1,10 +1,12 @@
-// The batch-32 tensor-core matvec's weight stream in isolation (no megakernel, no dependency
-// waits): 132 CTAs x 256 threads, each CTA computes its tile of nrows x K bf16 weights times
-// 32 bf16 activation rows (mma.sync m16n8k16, 4 n-tiles), for L layers back to back (layers
-// rotate through more than L2 holds). Prints per-layer us and weight TB/s per variant:
-//   0 megakernel: weights in registers, one group of U = 4 k blocks ahead (mk_mma.cuh), the
-//     activations cp.async'd per 1024-column chunk into two buffers, one barrier per chunk
-//   1 the same with U = 8
+// The tensor-core matvec's weight stream in isolation (no megakernel, no dependency waits):
+// 132 CTAs x 256 threads, each CTA computes its tile of nrows x K bf16 weights times NB = 8 NT
+// bf16 activation rows (mma.sync m16n8k16, NT n-tiles; NT = PROBE_NT, 4 by default: batch 32;
+// -DPROBE_NT=16: batch 128), for L layers back to back (layers rotate through more than L2
+// holds). Prints per-layer us and weight TB/s per variant:
+//   0 megakernel: weights in registers, one group of U k blocks ahead (mk_mma.cuh: U = 4 below
+//     NT 8, else 2), the activations cp.async'd per KC-column chunk into two buffers, one
+//     barrier per chunk
+//   1 the same with 2 U
 //   2 the same without the activation copies (B from one fixed chunk): their L2 traffic's cost
 //   3 the weight loads alone (no MMA, no activations): the access pattern's ceiling
 //   4 a per-thread cp.async ring of weights, D groups of U = 2 in flight, then the MMAs read them
@@ -15,8 +17,13 @@
 //     once per warp; their global copy is stored in the weights' k permutation (x_perm), so
 //     16-byte cp.asyncs land in place. 7: the same with LBO and SBO swapped (which is right
 //     is what the check against float64 says)
+//   8 wgmma as 6, pipelined: three register sets of weights, so two groups' loads are in flight
+//     while one group's wgmmas run (wait_group 1, not 0: the group before is done, its set is
+//     refilled), where 6 waits for each group's wgmmas before its next loads
+// Variants 4 and 5 run at NT 4 only (their rings and NT 16's chunk buffers exceed shared memory).
 // Every variant's outputs (last layer) are compared with variant 0's and with a float64 sum.
-//   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/mma_probe bench/mma_probe.cu && /tmp/mma_probe [layers]
+//   nvcc -O3 -gencode arch=compute_90a,code=sm_90a [-DPROBE_NT=16] -o /tmp/mma_probe bench/mma_probe.cu
+//   /tmp/mma_probe [layers]
 // The megakernel's own pieces (built with MK_WGMMA): its loads, copies, mma.sync and wgmma
 // wrappers, its activation staging for wgmma and its permuted activation store (store_bf16x4),
 // so variants 0 and 6 check and time that code, not a copy of it.
@@ -28,8 +35,12 @@
 #include <vector>
 #include <algorithm>
 
-constexpr int NT = 4, NB = NT * 8, NTH = NTHREADS, NW = NWARPS, KC = 1024, XS = KC + 32, NKB = KC / 32;
-static_assert(NTH == 256 && KC == mma_kc<NT>(), "the megakernel's geometry at batch 32");
+#ifndef PROBE_NT
+#define PROBE_NT 4
+#endif
+constexpr int NT = PROBE_NT, NB = NT * 8, NTH = NTHREADS, NW = NWARPS, KC = mma_kc<NT>(), XS = KC + 32, NKB = KC / 32;
+constexpr int U0 = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;   // the megakernel's k blocks per load group
+static_assert(NTH == 256, "the megakernel's geometry");
 constexpr int XWORDS = NB * XS / 2;                  // one activation chunk buffer, f32 words
 constexpr int RING_K = 128, RING_ROWS = 64, RING_STRIDE = RING_K + 32;   // mode 5 stage, bf16
 constexpr int RING_S = 4;                            // mode 5 stages
@@ -123,7 +134,7 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
     const __nv_bfloat16* wb = W + (size_t)min(mt * 16 + g + 8, nrows - 1) * K;
     float acc[NT][4] = {};
     if (MODE <= 3) {
-      constexpr int U = MODE == 1 ? 8 : 4;
+      constexpr int U = MODE == 1 ? 2 * U0 : U0;
       const int groups = (NKB + ks * U - 1) / (ks * U), ngroups = nchunks * groups;
       auto load_group = [&](int gi, uint4 (&ua)[U], uint4 (&ub)[U]) {
         const int kc0 = gi / groups * KC, kb0 = kp + gi % groups * U * ks;
@@ -163,10 +174,10 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
         }
       }
       if (MODE <= 2) __syncthreads();
-    } else if (MODE == 6 || MODE == 7) {
+    } else if (MODE >= 6) {
       // warpgroup wg takes k blocks wg, wg + 2, ... (2 K parts); warp w % 4 holds rows 16 (w % 4) + g, + 8
-      constexpr int U = 4, KS = NW / 4;
-      constexpr unsigned LBO = MODE == 6 ? 128 : KC * 16, SBO = MODE == 6 ? KC * 16 : 128;
+      constexpr int U = U0, KS = NW / 4;
+      constexpr unsigned LBO = MODE != 7 ? 128 : KC * 16, SBO = MODE != 7 ? KC * 16 : 128;
       const int wg = warp / 4, r0 = warp % 4 * 16;
       const __nv_bfloat16* ra = W + (size_t)min(r0 + g, nrows - 1) * K;
       const __nv_bfloat16* rb = W + (size_t)min(r0 + g + 8, nrows - 1) * K;
@@ -181,9 +192,51 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
           ub[u] = ok ? ldg_w<true>(rb + kc0 + kb * 32 + 8 * t) : make_uint4(0, 0, 0, 0);
         }
       };
+      // k block kb of the chunk at xc, through its two k16 halves (no branch around the wgmmas:
+      // ptxas would serialize them; a k block past the chunk has zero weights (load_group) and
+      // reads the chunk's last block)
+      auto wg_group = [&](const __nv_bfloat16* xc, int gc, const uint4 (&ca)[U], const uint4 (&cb)[U]) {
+        wg_fence();
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+          const int kb = min(wg + (gc * U + u) * KS, NKB - 1);
+          const char* p = reinterpret_cast<const char*>(xc) + kb * 4 * 128;   // logical k 32 kb
+          wgmma_bf16<NT>(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
+          wgmma_bf16<NT>(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
+        }
+        wg_commit();
+      };
+      wg_stage<NT>(x, K, 0, NB, 0, K, reinterpret_cast<char*>(xbuf));
+      if (MODE == 8) {
+        // Group gi's weights in set gi % 3; groups past the last load zeros and read the last
+        // chunk (at most two per layer, so no branch around the wgmmas).
+        uint4 a0[U], b0[U], a1[U], b1[U], a2[U], b2[U];
+        load_group(0, a0, b0);
+        load_group(1, a1, b1);
+        auto step = [&](int gi, const uint4 (&ca)[U], const uint4 (&cb)[U], uint4 (&fa)[U], uint4 (&fb)[U]) {
+          const int c = min(gi / groups, nchunks - 1), gc = gi % groups;
+          if (gc == 0 && gi < ngroups) {   // chunk c's activations (uniform; no wgmma inside)
+            wg_wait0();   // chunk c - 1's wgmmas: its buffer is refilled below
+            cp_async_wait<0>();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async writes -> wgmma reads
+            __syncthreads();
+            if (c + 1 < nchunks)
+              wg_stage<NT>(x, K, 0, NB, (c + 1) * KC, K, reinterpret_cast<char*>(xbuf + (c + 1) % 2 * NB * XS));
+          }
+          wg_group(xbuf + c % 2 * NB * XS, gc, ca, cb);
+          asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");   // group gi - 1 done: its set is free
+          load_group(gi + 2, fa, fb);
+        };
+        for (int gi = 0; gi < ngroups; gi += 3) {
+          step(gi, a0, b0, a2, b2);
+          step(gi + 1, a1, b1, a0, b0);
+          step(gi + 2, a2, b2, a1, b1);
+        }
+        wg_wait0();
+        __syncthreads();
+      } else {
       uint4 ca[U], cb[U];
       load_group(0, ca, cb);
-      wg_stage<NT>(x, K, 0, NB, 0, K, reinterpret_cast<char*>(xbuf));
       for (int c = 0; c < nchunks; c++) {
         cp_async_wait<0>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async writes -> wgmma reads
@@ -193,23 +246,14 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
         for (int gc = 0; gc < groups; gc++) {
           uint4 na[U], nb[U];
           load_group(c * groups + gc + 1, na, nb);
-          wg_fence();
-#pragma unroll
-          for (int u = 0; u < U; u++) {
-            // no branch around the wgmmas (ptxas would serialize them): a k block past the
-            // chunk has zero weights (load_group) and reads the chunk's last block
-            const int kb = min(wg + (gc * U + u) * KS, NKB - 1);
-            const char* p = reinterpret_cast<const char*>(xc) + kb * 4 * 128;   // logical k 32 kb
-            wgmma_bf16<NT>(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
-            wgmma_bf16<NT>(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
-          }
-          wg_commit();
+          wg_group(xc, gc, ca, cb);
           wg_wait0();
 #pragma unroll
           for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb[u]; }
         }
       }
       __syncthreads();
+      }
     } else if (MODE == 4) {
       // Per-thread ring: group i = k blocks kp + (i * U + u) * ks of the whole K (chunk by
       // chunk); slot i % D holds this lane's 2 U x 16 bytes.
@@ -384,8 +428,9 @@ int main(int argc, char** argv) {
   cudaMalloc(&bar, 8);
   cudaMemset(bar, 0, 8);
   printf("%d layers, %s, %d SMs, batch %d\n", layers, p.name, sms, NB);
-  const char* names[] = {"megakernel (regs, U 4)", "regs, U 8", "regs, no activation copies", "weight loads only",
-                         "per-thread cp.async ring", "block bulk-copy ring", "wgmma (LBO 128)", "wgmma (SBO 128)"};
+  const char* names[] = {"megakernel (regs, U)", "regs, 2 U", "regs, no activation copies", "weight loads only",
+                         "per-thread cp.async ring", "block bulk-copy ring", "wgmma (LBO 128)", "wgmma (SBO 128)",
+                         "wgmma, 3 register sets"};
   int bad = 0;
   for (const Shape& s : shapes) {
     const size_t stride = (size_t)sms * s.nrows * s.K, bytes = stride * 2, n = (size_t)NB * sms * s.nrows;
@@ -396,7 +441,8 @@ int main(int argc, char** argv) {
     for (int b = 0; b < NB; b++) cudaMemcpy(xh.data() + (size_t)b * s.K, x + (size_t)b * s.K, s.K * 2, cudaMemcpyDeviceToHost);
     for (int sync = 0; sync < 2; sync++) {
       unsigned* b = sync ? bar : nullptr;
-      for (int m = 0; m < 8; m++) {
+      for (int m = 0; m < 9; m++) {
+        if (NT > 4 && (m == 4 || m == 5)) continue;   // their rings do not fit beside NT 16's chunks
         float t = 0;
         switch (m) {
           case 0: t = run<0>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
@@ -407,6 +453,7 @@ int main(int argc, char** argv) {
           case 5: t = run<5>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 6: t = run<6>(w, xp, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 7: t = run<7>(w, xp, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
+          case 8: t = run<8>(w, xp, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
         }
         cudaMemcpy(out.data(), y, n * 4, cudaMemcpyDeviceToHost);
         double err = 0;
@@ -422,12 +469,12 @@ int main(int argc, char** argv) {
           printf("variant 0 vs float64: max rel err %.2e\n", err);
           if (err > 1e-3) bad = 1;
           err = 0;
-        } else if (m != 3) {
+        } else if (m != 2 && m != 3) {   // 2 reads one fixed chunk, 3 computes nothing
           for (size_t i = 0; i < n; i++) err = std::max(err, (double)std::fabs(out[i] - ref[i]) / (1.0 + std::fabs(ref[i])));
           if (err > 1e-4) bad = 1;
         }
         printf("%-8s %3d x %5d %s %-28s %7.2f us  %5.2f TB/s%s\n", s.name, s.nrows, s.K, sync ? "barrier" : "free   ",
-               names[m], t, bytes / (t * 1e-6) / 1e12, m != 3 && err > 1e-4 ? "  WRONG" : "");
+               names[m], t, bytes / (t * 1e-6) / 1e12, err > 1e-4 ? "  WRONG" : "");
       }
     }
   }
