@@ -390,23 +390,14 @@ def test_kernel_macros_from_argument_and_environment(monkeypatch):
         compile_megakernel(torch.bfloat16)
 
 
-def test_oproj_smem_experiment_sizes_shared_memory(monkeypatch):
-    """MK_OPROJ_SMEM (compiled out by default): below MMA_MIN_BATCH the host leaves room for
-    linear()'s words plus the tallest o_proj tile's weights, by the kernel's rule
-    (mk_linear.cuh early_weights_at); other buckets and builds are sized as before."""
-    from tpmk.kernels.megakernel import check_shapes, kernel_macros, macro_defined
-    monkeypatch.delenv("TPMK_MK_DEFINES", raising=False)
-    cfg = ModelConfig.from_name("llama-3-70b")
-    on = ("MK_OPROJ_SMEM=1",)
-    plain, exp = ({b: check_shapes(cfg, build_schedule(cfg, 8, b, 132), torch.bfloat16, m)[1]
-                   for b in (1, 2, 8)} for m in ((), on))
-    # bucket 1: 8 warps x 4 scratch words, one input row (K = 8192) and 64 outputs, then the
-    # 64-row o_proj tile: K = 8 local q heads x head_dim 128 = 1024, in bf16
-    assert exp[1] == 4 * (8 * 4 + 8192 + 64) + 64 * 1024 * 2 > plain[1]
-    assert exp[2] == plain[2] and exp[8] == plain[8]   # over 168 KB / a tensor-core bucket
-    assert macro_defined(on, "MK_OPROJ_SMEM") and macro_defined(("MK_OPROJ_SMEM",), "MK_OPROJ_SMEM")
-    assert not macro_defined(("MK_OPROJ_SMEMX=1", "PREFETCH_CAP=1"), "MK_OPROJ_SMEM")
-    assert kernel_macros(("A=1",)) == ("A=1",)
+def test_kernel_macros_and_macro_defined(monkeypatch):
+    """A build's macros are `defines` then TPMK_MK_DEFINES; macro_defined sees NAME and
+    NAME=VALUE alike (as #ifdef does) and no other name that merely starts the same."""
+    from tpmk.kernels.megakernel import kernel_macros, macro_defined
+    monkeypatch.setenv("TPMK_MK_DEFINES", "MK_WGMMA=1 PREFETCH_CAP")
+    assert kernel_macros(("A=1",)) == ("A=1", "MK_WGMMA=1", "PREFETCH_CAP")
+    assert macro_defined(("MK_WGMMA=1",), "MK_WGMMA") and macro_defined(("MK_WGMMA",), "MK_WGMMA")
+    assert not macro_defined(("MK_WGMMAX=1", "PREFETCH_CAP=1"), "MK_WGMMA")
 
 
 def test_wgmma_experiment_refuses_k_not_a_multiple_of_32(monkeypatch):

@@ -20,7 +20,7 @@ SNIPPET = '''
 
 # Inner-loop lines, found by their text (a rewrite that drops one fails the test).
 HOT_LINES = {
-    "mk_common.cuh": ["u[i][j] = k >= m.kend ? make_uint4(", "acc[j][b] += f[e] * xv[e]"],   # CUDA-core matvec
+    "mk_common.cuh": ["u[i][j] = k < m.kend ? ldg_w(", "acc[j][b] += f[e] * xv[e]"],   # CUDA-core matvec
     "mk_mma.cuh": ["const uint4 bx = ", "asm(\"mma.sync.aligned", "ua[u] = ok ? ldg_w<true>("],   # tensor cores (bf16)
 }
 

@@ -71,10 +71,8 @@ def out_words(sched: Schedule) -> int:
                for i in sched.instructions if i.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
 
 
-def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype,
-               macros: tuple[str, ...] = ()) -> int:
-    """The least dynamic shared memory the ops need; the kernel is launched with it. `macros`:
-    the build's (kernel_macros); MK_OPROJ_SMEM asks for room for an o_proj tile."""
+def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype) -> int:
+    """The least dynamic shared memory the ops need; the kernel is launched with it."""
     hq, hkv = local_heads(cfg, sched.tp)
     G, D = hq // hkv, cfg.head_dim
     # attention.cuh: q (f32, or bf16 [16, D + 8] for the tensor cores), scores, bf16
@@ -99,28 +97,7 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype,
     # / 15.58 and 11.56 / 15.53 ms against 12.97 / 16.86 and 13.18 / 17.16 with all 128 rows.
     if dtype == torch.bfloat16 and sched.bucket >= isa.MMA_MIN_BATCH:
         words = max(words, mma_words(sched), residual_words(sched))   # batch >= MMA_MIN_BATCH
-    if macro_defined(macros, "MK_OPROJ_SMEM"):
-        words = max(words, early_weight_words(cfg, sched, kmax, dtype))
     return 4 * (NWARPS * BATCH_CHUNK + words)
-
-
-# MK_OPROJ_SMEM: at most this much shared memory in all with an o_proj tile's weights (the rest
-# stays L1, which holds the stack frames).
-EARLY_WEIGHT_LIMIT = 168 * 1024
-
-
-def early_weight_words(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype) -> int:
-    """MK_OPROJ_SMEM (an experiment, mk_linear.cuh early_weights): below MMA_MIN_BATCH,
-    linear()'s words for the tallest o_proj tile and then the tile's weights (no other op runs
-    on the SM between their copy and the o_proj, so they may overlap the other ops' words); 0
-    where that passes EARLY_WEIGHT_LIMIT (the kernel then streams the tile as usual)."""
-    if sched.bucket >= isa.MMA_MIN_BATCH:
-        return 0
-    hq, _ = local_heads(cfg, sched.tp)
-    rows = max((i.nrows for i in sched.instructions if i.name == "o_proj"), default=0)
-    w = (min(BATCH_CHUNK, sched.bucket) * (kmax + rows)                 # the kernel's rule
-         + -(-rows * hq * cfg.head_dim * dtype.itemsize // 16) * 4)     # 16-byte aligned rows
-    return w if 4 * (NWARPS * BATCH_CHUNK + w) <= EARLY_WEIGHT_LIMIT else 0
 
 
 def mma_words(sched: Schedule) -> int:
@@ -165,7 +142,7 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype,
         raise ValueError(f"num_splits={sched.num_splits} > 32 (the split merge uses one lane "
                          f"per split)")
     kmax = max(H, hq * D, inter)
-    smem = smem_bytes(cfg, sched, kmax, dtype, macros)
+    smem = smem_bytes(cfg, sched, kmax, dtype)
     if smem > SMEM_LIMIT:
         raise ValueError(f"megakernel needs {smem} B of shared memory (kmax={kmax}), "
                          f"over {SMEM_LIMIT}; lower BATCH_CHUNK or tile sizes")

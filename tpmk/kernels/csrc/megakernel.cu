@@ -51,10 +51,6 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       sins[(cur + 2) % 3][threadIdx.x] = instr[(i + 2) * isa::INSTR_WORDS + threadIdx.x];
     if (a.stop_after >= 0 && ins[isa::F_ARG4] > a.stop_after) continue;
     if (!runs_here(a, ins)) continue;   // an all-gather tile another rank owns
-#ifdef MK_OPROJ_SMEM
-    // o_proj below MMA_MIN_BATCH: its tile's weights into shared memory before the wait.
-    if (ins[isa::F_OP] == isa::OP_O_PROJ) early_weights(a, ins, smem);
-#endif
     // The start of this instruction's weights into L2 while this SM waits on its counters
     // (mk_prefetch.cuh; the next instruction's too was slower).
     if (threadIdx.x == 0) {
@@ -66,12 +62,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
 #endif
     }
     __syncthreads();
-    if (!go) {
-#ifdef MK_OPROJ_SMEM
-      cp_async_wait_all();   // early_weights' copies
-#endif
-      return;
-    }
+    if (!go) return;
     prof_mark(a, 6);
     switch (ins[isa::F_OP]) {
       case isa::OP_NOP: break;

@@ -436,8 +436,7 @@ __device__ __forceinline__ uint4 ldg_w(const wtype* p) {
 #ifndef MK_MV_UN
 #define MK_MV_UN 2   // ... at batch 2-4 (batch 2: 3 / 4 in 9.67 / 9.53 vs 9.63-9.68 ms,
 #endif               // same call: noise)
-// SW: the rows are in shared memory (an o_proj tile's, copied before its wait: mk_linear.cuh).
-template <int NB, bool SW, typename RowFn, typename OutFn>
+template <int NB, typename RowFn, typename OutFn>
 __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn out) {
   constexpr int U = NB == 1 ? MK_MV_U1 : MK_MV_UN, STEP = 32 * VEC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -459,8 +458,7 @@ __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn ou
         const int k = k0 + i * STEP;
 #pragma unroll
         for (int j = 0; j < MV_ROWS; j++)
-          u[i][j] = k >= m.kend ? make_uint4(0, 0, 0, 0)
-                    : SW ? *reinterpret_cast<const uint4*>(wr[j] + k) : ldg_w(wr[j] + k);
+          u[i][j] = k < m.kend ? ldg_w(wr[j] + k) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int i = 0; i < U; i++)
@@ -471,10 +469,10 @@ __device__ void matvec_nb(int K, const float* xs, int nrows, RowFn row, OutFn ou
   mv_combine<NB>(m, nrows, out);
 }
 
-template <bool SW = false, typename RowFn, typename OutFn>
+template <typename RowFn, typename OutFn>
 __device__ void matvec(int K, const float* xs, int nb, int nrows, RowFn row, OutFn out) {
-  if (nb == 1) matvec_nb<1, SW>(K, xs, nrows, row, out);
-  else if (nb == 2) matvec_nb<2, SW>(K, xs, nrows, row, out);
-  else if (nb == 3) matvec_nb<3, SW>(K, xs, nrows, row, out);
-  else matvec_nb<4, SW>(K, xs, nrows, row, out);
+  if (nb == 1) matvec_nb<1>(K, xs, nrows, row, out);
+  else if (nb == 2) matvec_nb<2>(K, xs, nrows, row, out);
+  else if (nb == 3) matvec_nb<3>(K, xs, nrows, row, out);
+  else matvec_nb<4>(K, xs, nrows, row, out);
 }

@@ -13,40 +13,9 @@ __device__ __forceinline__ int linear_chunk(int batch, int nrows) {
   return BATCH_CHUNK;
 }
 
-#ifdef MK_OPROJ_SMEM
-// Experiment, compiled out by default (not yet measured): below MMA_MIN_BATCH an o_proj tile's
-// weights are copied to the end of shared memory before its counters are met (early_weights,
-// from the instruction loop), where the host left room (megakernel.py early_weight_words):
-// they never depend on the step, and o_proj waits on attention with HBM idle. Where the
-// tile's rows sit there, or null (they stream from global memory).
-__device__ __forceinline__ wtype* early_weights_at(const KernelArgs& a, const Tile& t, float* smem, int batch) {
-  unsigned dyn;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-  const size_t bytes = ((size_t)t.nrows * t.K * sizeof(wtype) + 15) & ~(size_t)15;
-  const size_t used = 4 * (NWARPS * BATCH_CHUNK + (size_t)min(BATCH_CHUNK, a.bucket) * (a.kmax + t.nrows));
-  if (mma_batch(batch) || used + bytes > (dyn & ~15u)) return nullptr;
-  return reinterpret_cast<wtype*>(reinterpret_cast<char*>(smem) + (dyn & ~15u) - bytes);
-}
-
-// All threads, before an o_proj instruction's counters are met: its tile's rows -> shared
-// memory (cp.async, one group; linear<true> waits for it), where early_weights_at has room.
-__device__ __noinline__ void early_weights(const KernelArgs& a, const int* ins, float* smem) {
-  Tile t;
-  if (!linear_tile(a, ins, isa::OP_O_PROJ, t)) return;
-  char* w = reinterpret_cast<char*>(early_weights_at(a, t, smem, step_batch()));
-  if (w == nullptr) return;
-  const int per = t.K * (int)sizeof(wtype) / 16;   // 16-byte pieces per row (K % 8 == 0)
-  for (int i = threadIdx.x; i < t.nrows * per; i += NTHREADS)
-    cp_async16(w + (size_t)i * 16, reinterpret_cast<const char*>(t.rows(i / per)) + (size_t)(i % per) * 16);
-  cp_async_commit();
-}
-#endif
-
 // Returns outs [nb][nrows]: outs[b * nrows + r] = W[row(r)] . xin(b0 + b) for b < nb <=
 // linear_chunk(batch, nrows). Ends with __syncthreads(): outs is readable by every thread
-// (and writable until the caller's next __syncthreads()). SW: row() points into shared
-// memory (MK_OPROJ_SMEM's early_weights copies, this thread's waited for here).
-template <bool SW = false>
+// (and writable until the caller's next __syncthreads()).
 __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int b0, int nb, int nrows,
                          const XSrc& src, const RowMap& row, float* smem) {
   float* red = smem;
@@ -61,10 +30,9 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   float* xs = base;
   float* outs = xs + min(BATCH_CHUNK, a.bucket) * a.kmax;   // [nb][nrows] (megakernel.smem_bytes)
   prof_mark(a, 5);
-  if constexpr (SW) cp_async_wait_all();   // load_normed's last barrier publishes all the copies
   load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red);
   prof_mark(a, 1);
-  matvec<SW>(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; });
+  matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; });
   __syncthreads();
   prof_mark(a, 2);
   return outs;
@@ -80,19 +48,11 @@ __device__ __forceinline__ void linear_push(const KernelArgs& a, const int* ins,
   Tile tile;
   linear_tile(a, ins, op, tile);
   const int c0 = ins[isa::F_ROW0], n = tile.nrows, chunk = linear_chunk(batch, n);
-#ifdef MK_OPROJ_SMEM
-  const wtype* ws = op == isa::OP_O_PROJ ? early_weights_at(a, tile, smem, batch) : nullptr;
-#endif
   const bool rs = ins[isa::F_SIGNAL_PEERS] & isa::SIG_OWNER;
   const int p0 = rs ? owner_rank(a, ins) : 0, p1 = rs ? p0 + 1 : a.tp;
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
-#ifdef MK_OPROJ_SMEM
-    const float* outs = ws ? linear<true>(a, batch, tile.K, b0, nb, n, src, RowMap{ws, ws, n, tile.K}, smem)
-                           : linear(a, batch, tile.K, b0, nb, n, src, tile.rows, smem);
-#else
     const float* outs = linear(a, batch, tile.K, b0, nb, n, src, tile.rows, smem);   // [nb, n]
-#endif
     prof_mark(a, 10);   // the pass's outputs staged (the last pass's)
     for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
       const size_t off = ((size_t)a.rank * a.bucket + b0 + i / n) * a.hidden + c0 + i % n;
