@@ -108,9 +108,17 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
 // the PTX ISA's K-major no-swizzle canonical layout ((8,m),(T,2k)):((1T,SBO),(1,LBO)) (T = 8
 // bf16 = 16 bytes; "Canonical Layouts" under wgmma's shared memory matrix layout). WG_SWAP
 // swaps them, in case bench/mma_probe.cu finds the other reading right.
-// ptxas serializes these wgmmas (C7510: their pipeline crosses the call into matvec_mma_nt,
-// although each group waits for its own); matvec_mma_nt inlined instead: 282 spills. Branches
-// around them would serialize them as well (C7520), hence the clamped k blocks below.
+// ptxas serializes these wgmmas, each one waited for before the next (C7510). It does so for any
+// wgmma in a function that is not the kernel's entry (a 10-line kernel whose wgmma loop is a
+// __noinline__ function gets the same C7510; inlined, none), so they only pipeline once the
+// whole path from the instruction loop is inlined. Inlining linear() and matvec_mma_nt here gave
+// 1104 bytes of spill stores and still C7510 (lm_head's op is a call). Branches around them would
+// serialize them as well (C7520), hence the clamped k blocks below.
+// Measured (H100, ctx 1024, 2026-12-06, one call against the default build): batch 1 / 8 / 32 /
+// 128 in 9.02 / 13.49 / 23.22 / 53.85 ms against 8.91 / 10.14 / 14.19 / 33.74; correct (the
+// batched tensor-core GPU tests pass). bench/mma_probe.cu's wgmma variant, whose wgmmas are
+// not serialized but wait for each group's before its next loads, also lost at batch 32
+// (gate_up 65.7 against 43.6 us per layer).
 constexpr bool MMA_WG = true;
 #ifdef WG_SWAP
 constexpr bool WG_SWAPPED = true;
