@@ -120,6 +120,7 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
 // not serialized but wait for each group's before its next loads, also lost at batch 32
 // (gate_up 65.7 against 43.6 us per layer).
 constexpr bool MMA_WG = true;
+#define MMA_FN __forceinline__   // inlined up to the instruction loop (linear_wg.cuh)
 #ifdef WG_SWAP
 constexpr bool WG_SWAPPED = true;
 #else
@@ -195,19 +196,24 @@ __device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned lb
 template <int NT>
 __device__ __forceinline__ void wg_stage(const __nv_bfloat16* x, int ldx, int b0, int nb, int kc0, int K,
                                          char* dst) {
-  constexpr int KC = mma_kc<NT>(), P = NT * 8 * KC / 8 / NTHREADS;
-  static_assert(P * NTHREADS == NT * KC, "whole copies per thread");
+  // Copy e of a thread: row n = 8 (e / S) + tid % 8, column block k8 = 32 (e % S) + tid / 8 (S =
+  // KC / NTHREADS copies span a row group), so its addresses are one base plus constants.
+  constexpr int KC = mma_kc<NT>(), P = NT * 8 * KC / 8 / NTHREADS, S = KC / NTHREADS;
+  static_assert(P * NTHREADS == NT * KC && S * NTHREADS == KC && NTHREADS / 8 == 32, "whole copies per thread");
+  const int n0 = threadIdx.x % 8, k80 = threadIdx.x / 8;
+  const __nv_bfloat16* src = x + (size_t)(b0 + n0) * ldx + kc0 + k80 * 8;
+  char* d = dst + k80 * 128 + n0 * 16;
 #pragma unroll
   for (int e = 0; e < P; e++) {
-    const int i = threadIdx.x + e * NTHREADS, n = i % 8 + i / KC * 8, k8 = i / 8 % (KC / 8);
-    const bool ok = n < nb && kc0 + k8 * 8 < K;
-    cp_async16(dst + (n / 8) * KC * 16 + k8 * 128 + (n % 8) * 16, ok ? x + (size_t)(b0 + n) * ldx + kc0 + k8 * 8 : x,
-               ok ? 16 : 0);
+    const int ng = e / S, kb = e % S;   // compile-time
+    const bool ok = 8 * ng + n0 < nb && kc0 + (32 * kb + k80) * 8 < K;
+    cp_async16(d + ng * KC * 16 + kb * 32 * 128, ok ? src + (size_t)8 * ng * ldx + kb * 256 : x, ok ? 16 : 0);
   }
   cp_async_commit();
 }
 #else
 constexpr bool MMA_WG = false;   // mma.sync
+#define MMA_FN __noinline__
 #endif  // MK_WGMMA
 
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
@@ -218,7 +224,7 @@ constexpr bool MMA_WG = false;   // mma.sync
 // boundaries (weights never wait for activations), and the next chunk's inputs are in flight
 // (cp.async into the other buffer) while this chunk's MMAs run: one barrier per chunk.
 template <int NT>
-__device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
+__device__ MMA_FN void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
   constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
   constexpr int UM = MMA_WG ? 4 : 1, UNITS = NWARPS / UM;   // warps per m-tile unit, units per pass
@@ -286,12 +292,46 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
         if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
       }
     }
+#ifdef MK_WGMMA
+    // Group gi's weights in set gi % 3: two groups' loads are in flight while one group's wgmmas
+    // run (wait_group 1: the group before is done, and its set is refilled). Groups past the
+    // last carry zero weights and read the last chunk (no branch around the wgmmas).
+    uint4 ca1[U], cb1[U], ca2[U], cb2[U];
+    load_group(1, ca1, cb1);
+    constexpr unsigned LBO = WG_SWAPPED ? KC * 16 : 128, SBO = WG_SWAPPED ? 128 : KC * 16;
+    auto step = [&](int gi, const uint4 (&wa_)[U], const uint4 (&wb_)[U], uint4 (&fa)[U], uint4 (&fb)[U]) {
+      const int c = min(gi / groups, nchunks - 1), gc = gi % groups;
+      if (gc == 0 && gi < ngroups) {   // chunk c's first group (uniform; no wgmma inside)
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");   // chunk c - 1's, whose buffer stage(c + 1) refills
+        cp_async_wait_all();   // this thread's copies of chunk c
+        // publishes them (generic proxy) to the wgmmas that read them after the barrier (async proxy)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        if (c == 0 && mt0 == 0) prof_mark(a, 8);   // the first chunk's activations landed
+        if (c + 1 < nchunks) stage(c + 1);
+      }
+      const char* xc = reinterpret_cast<const char*>(xbuf + c % 2 * NB * XS);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const char* p = xc + min(kp + (gc * U + u) * ks, NKB - 1) * 4 * 128;   // logical k 32 kb
+        wgmma_bf16<NT>(acc, wa_[u].x, wb_[u].x, wa_[u].y, wb_[u].y, wg_desc(p, LBO, SBO));
+        wgmma_bf16<NT>(acc, wa_[u].z, wb_[u].z, wa_[u].w, wb_[u].w, wg_desc(p + 2 * 128, LBO, SBO));
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+      load_group(gi + 2, fa, fb);
+    };
+    for (int gi = 0; gi < ngroups; gi += 3) {
+      step(gi, ca, cb, ca2, cb2);
+      step(gi + 1, ca1, cb1, ca, cb);
+      step(gi + 2, ca2, cb2, ca1, cb1);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#else
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
       cp_async_wait_all();   // this thread's copies of chunk c
-      // MK_WGMMA: publishes this thread's cp.async writes of chunk c (generic proxy) to the
-      // wgmmas that read it after the barrier (async proxy)
-      if constexpr (MMA_WG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncthreads();   // everyone's copies of chunk c landed; chunk c - 1's buffer is no longer read
       if (c == 0 && mt0 == 0) prof_mark(a, 8);   // the first chunk's activations landed
       if (c + 1 < nchunks) stage(c + 1);
@@ -299,22 +339,11 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       for (int gc = 0; gc < groups; gc++) {
         uint4 na[U], nb2[U];
         load_group(c * groups + gc + 1, na, nb2);
-        if (mmas) {
-          if constexpr (MMA_WG) asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        if (active) {
 #pragma unroll
           for (int u = 0; u < U; u++) {
             const int kbu = kp + (gc * U + u) * ks;
-            if constexpr (MMA_WG) {
-#ifdef MK_WGMMA
-              // No branch around the wgmmas (ptxas serializes wgmmas in a path it cannot prove
-              // convergent): a k block past the chunk or K has zero weights (load_group), and
-              // reads the chunk's last block (finite: staged, zero past K).
-              constexpr unsigned LBO = WG_SWAPPED ? KC * 16 : 128, SBO = WG_SWAPPED ? 128 : KC * 16;
-              const char* p = reinterpret_cast<const char*>(xc) + min(kbu, NKB - 1) * 4 * 128;   // logical k 32 kbu
-              wgmma_bf16<NT>(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
-              wgmma_bf16<NT>(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
-#endif
-            } else if (kbu < NKB && kc0 + kbu * 32 < K) {   // warp-uniform
+            if (kbu < NKB && kc0 + kbu * 32 < K) {   // warp-uniform
 #pragma unroll
               for (int n = 0; n < NT; n++) {
                 const int off = (n * 8 + g) * XS + kbu * 32 + 8 * t;
@@ -324,15 +353,12 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
               }
             }
           }
-          if constexpr (MMA_WG) {
-            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");   // before ca / cb are reused
-          }
         }
 #pragma unroll
         for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
       }
     }
+#endif
     __syncthreads();   // the chunk buffers are no longer read
     prof_mark(a, 9);   // the K loop's MMAs done (the last m-tile pass's)
     if (mmas)
@@ -363,7 +389,12 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 }
 
 static_assert(MMA_PASS % 8 == 0 && MMA_PASS <= 128, "matvec_mma dispatches up to 16 n-tiles");
-__device__ void matvec_mma(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
+#ifdef MK_WGMMA
+__device__ __forceinline__
+#else
+__device__
+#endif
+void matvec_mma(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                            const RowMap& row, float* outs, float* sm) {
   if (nb <= 8) matvec_mma_nt<1>(a, K, b0, nb, nrows, src, row, outs, sm);
   else if (nb <= 16) matvec_mma_nt<2>(a, K, b0, nb, nrows, src, row, outs, sm);
