@@ -176,7 +176,7 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
       if (MODE <= 2) __syncthreads();
     } else if (MODE >= 6) {
       // warpgroup wg takes k blocks wg, wg + 2, ... (2 K parts); warp w % 4 holds rows 16 (w % 4) + g, + 8
-      constexpr int U = U0, KS = NW / 4;
+      constexpr int U = MODE == 8 ? MMA_U_WG : U0, KS = NW / 4;   // 8: as the megakernel's MK_WGMMA
       constexpr unsigned LBO = MODE != 7 ? 128 : KC * 16, SBO = MODE != 7 ? KC * 16 : 128;
       const int wg = warp / 4, r0 = warp % 4 * 16;
       const __nv_bfloat16* ra = W + (size_t)min(r0 + g, nrows - 1) * K;

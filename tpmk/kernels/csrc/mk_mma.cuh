@@ -38,6 +38,11 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 #ifndef MMA_U_BIG
 #define MMA_U_BIG 2
 #endif
+// MK_WGMMA: k blocks per group at every NT (three groups' registers are live there; 4 below NT 8
+// spilled 1588 bytes in the entry function, 2: 172).
+#ifndef MMA_U_WG
+#define MMA_U_WG 2
+#endif
 template <int NT>
 __host__ __device__ constexpr int mma_kc() { return MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX; }
 // One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
@@ -226,7 +231,8 @@ constexpr bool MMA_WG = false;   // mma.sync
 template <int NT>
 __device__ MMA_FN void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
+  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32;
+  constexpr int U = MMA_WG ? MMA_U_WG : NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
   constexpr int UM = MMA_WG ? 4 : 1, UNITS = NWARPS / UM;   // warps per m-tile unit, units per pass
   static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
