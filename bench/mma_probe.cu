@@ -12,22 +12,14 @@
 //   4 a per-thread cp.async ring of weights, D groups of U = 2 in flight, then the MMAs read them
 //   5 a block ring of weights: S stages of 64 rows x 128 columns, one warp issuing bulk copies
 //     (cp.async.bulk, mbarrier completion), every warp reading its rows from shared memory
-//   6 wgmma m64n32k16: the weights as A from registers (as in 0), the activations as B from shared
-//     memory in the canonical no-swizzle K-major layout, read once per warpgroup instead of
-//     once per warp; their global copy is stored in the weights' k permutation (x_perm), so
-//     16-byte cp.asyncs land in place. 7: the same with LBO and SBO swapped (which is right
-//     is what the check against float64 says)
-//   8 wgmma as 6, pipelined: three register sets of weights, so two groups' loads are in flight
-//     while one group's wgmmas run (wait_group 1, not 0: the group before is done, its set is
-//     refilled), where 6 waits for each group's wgmmas before its next loads
 // Variants 4 and 5 run at NT 4 only (their rings and NT 16's chunk buffers exceed shared memory).
 // Every variant's outputs (last layer) are compared with variant 0's and with a float64 sum.
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a [-DPROBE_NT=16] -o /tmp/mma_probe bench/mma_probe.cu
 //   /tmp/mma_probe [layers]
-// The megakernel's own pieces (built with MK_WGMMA): its loads, copies, mma.sync and wgmma
-// wrappers, its activation staging for wgmma and its permuted activation store (store_bf16x4),
-// so variants 0 and 6 check and time that code, not a copy of it.
-#define MK_WGMMA 1
+// The megakernel's own pieces: its loads, copies and mma.sync wrapper, so variant 0 checks and
+// times that code, not a copy of it. (Variants with wgmma, A from registers and B from shared
+// memory, ran 1.5x (batch 32) to 2x (batch 128) slower than variant 0, with one group in flight
+// or two: README, eleventh session; removed with the kernel's MK_WGMMA.)
 #include "../tpmk/kernels/csrc/mk_mma.cuh"
 #include <cstdio>
 #include <cstdlib>
@@ -69,9 +61,6 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 // One k block (32 columns, permuted: lane t holds k 8t..8t+7 of rows g and g + 8) times the
 // chunk's activations at block kb.
 __device__ __forceinline__ void mma_kblock(float (&acc)[NT][4], const uint4& a, const uint4& b,
@@ -174,86 +163,6 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
         }
       }
       if (MODE <= 2) __syncthreads();
-    } else if (MODE >= 6) {
-      // warpgroup wg takes k blocks wg, wg + 2, ... (2 K parts); warp w % 4 holds rows 16 (w % 4) + g, + 8
-      constexpr int U = MODE == 8 ? MMA_U_WG : U0, KS = NW / 4;   // 8: as the megakernel's MK_WGMMA
-      constexpr unsigned LBO = MODE != 7 ? 128 : KC * 16, SBO = MODE != 7 ? KC * 16 : 128;
-      const int wg = warp / 4, r0 = warp % 4 * 16;
-      const __nv_bfloat16* ra = W + (size_t)min(r0 + g, nrows - 1) * K;
-      const __nv_bfloat16* rb = W + (size_t)min(r0 + g + 8, nrows - 1) * K;
-      const int groups = (NKB + KS * U - 1) / (KS * U), ngroups = nchunks * groups;
-      auto load_group = [&](int gi, uint4 (&ua)[U], uint4 (&ub)[U]) {
-        const int kc0 = gi / groups * KC, kb0 = wg + gi % groups * U * KS;
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-          const int kb = kb0 + u * KS;
-          const bool ok = gi < ngroups && kb < NKB;
-          ua[u] = ok ? ldg_w<true>(ra + kc0 + kb * 32 + 8 * t) : make_uint4(0, 0, 0, 0);
-          ub[u] = ok ? ldg_w<true>(rb + kc0 + kb * 32 + 8 * t) : make_uint4(0, 0, 0, 0);
-        }
-      };
-      // k block kb of the chunk at xc, through its two k16 halves (no branch around the wgmmas:
-      // ptxas would serialize them; a k block past the chunk has zero weights (load_group) and
-      // reads the chunk's last block)
-      auto wg_group = [&](const __nv_bfloat16* xc, int gc, const uint4 (&ca)[U], const uint4 (&cb)[U]) {
-        wg_fence();
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-          const int kb = min(wg + (gc * U + u) * KS, NKB - 1);
-          const char* p = reinterpret_cast<const char*>(xc) + kb * 4 * 128;   // logical k 32 kb
-          wgmma_bf16<NT>(acc, ca[u].x, cb[u].x, ca[u].y, cb[u].y, wg_desc(p, LBO, SBO));
-          wgmma_bf16<NT>(acc, ca[u].z, cb[u].z, ca[u].w, cb[u].w, wg_desc(p + 2 * 128, LBO, SBO));
-        }
-        wg_commit();
-      };
-      wg_stage<NT>(x, K, 0, NB, 0, K, reinterpret_cast<char*>(xbuf));
-      if (MODE == 8) {
-        // Group gi's weights in set gi % 3; groups past the last load zeros and read the last
-        // chunk (at most two per layer, so no branch around the wgmmas).
-        uint4 a0[U], b0[U], a1[U], b1[U], a2[U], b2[U];
-        load_group(0, a0, b0);
-        load_group(1, a1, b1);
-        auto step = [&](int gi, const uint4 (&ca)[U], const uint4 (&cb)[U], uint4 (&fa)[U], uint4 (&fb)[U]) {
-          const int c = min(gi / groups, nchunks - 1), gc = gi % groups;
-          if (gc == 0 && gi < ngroups) {   // chunk c's activations (uniform; no wgmma inside)
-            wg_wait0();   // chunk c - 1's wgmmas: its buffer is refilled below
-            cp_async_wait<0>();
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async writes -> wgmma reads
-            __syncthreads();
-            if (c + 1 < nchunks)
-              wg_stage<NT>(x, K, 0, NB, (c + 1) * KC, K, reinterpret_cast<char*>(xbuf + (c + 1) % 2 * NB * XS));
-          }
-          wg_group(xbuf + c % 2 * NB * XS, gc, ca, cb);
-          asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");   // group gi - 1 done: its set is free
-          load_group(gi + 2, fa, fb);
-        };
-        for (int gi = 0; gi < ngroups; gi += 3) {
-          step(gi, a0, b0, a2, b2);
-          step(gi + 1, a1, b1, a0, b0);
-          step(gi + 2, a2, b2, a1, b1);
-        }
-        wg_wait0();
-        __syncthreads();
-      } else {
-      uint4 ca[U], cb[U];
-      load_group(0, ca, cb);
-      for (int c = 0; c < nchunks; c++) {
-        cp_async_wait<0>();
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async writes -> wgmma reads
-        __syncthreads();
-        if (c + 1 < nchunks) wg_stage<NT>(x, K, 0, NB, (c + 1) * KC, K, reinterpret_cast<char*>(xbuf + (c + 1) % 2 * NB * XS));
-        const __nv_bfloat16* xc = xbuf + c % 2 * NB * XS;
-        for (int gc = 0; gc < groups; gc++) {
-          uint4 na[U], nb[U];
-          load_group(c * groups + gc + 1, na, nb);
-          wg_group(xc, gc, ca, cb);
-          wg_wait0();
-#pragma unroll
-          for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb[u]; }
-        }
-      }
-      __syncthreads();
-      }
     } else if (MODE == 4) {
       // Per-thread ring: group i = k blocks kp + (i * U + u) * ks of the whole K (chunk by
       // chunk); slot i % D holds this lane's 2 U x 16 bytes.
@@ -341,12 +250,12 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
       ring_it = base + nstages;
       __syncthreads();
     }
-    if (l == layers - 1 && (active || MODE >= 6)) {   // C fragment: rows g / g + 8, batch rows 2t, 2t + 1 of each n-tile
+    if (l == layers - 1 && active) {   // C fragment: rows g / g + 8, batch rows 2t, 2t + 1 of each n-tile
 #pragma unroll
       for (int n = 0; n < NT; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-          const int r = (MODE >= 6 ? warp % 4 : mt) * 16 + g + (i >> 1) * 8, b = n * 8 + 2 * t + (i & 1);
+          const int r = mt * 16 + g + (i >> 1) * 8, b = n * 8 + 2 * t + (i & 1);
           if (r < nrows) atomicAdd(&y[(size_t)b * gridDim.x * nrows + blockIdx.x * nrows + r], acc[n][i]);
         }
     }
@@ -398,14 +307,6 @@ __global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed) {   // values in
   }
 }
 
-// x_perm: x stored as the megakernel's producers store tensor-core inputs under MK_WGMMA
-// (store_bf16x4, the weights' k permutation within 32-column blocks); bf16 -> f32 -> bf16 is exact.
-__global__ void permute_x(const __nv_bfloat16* x, __nv_bfloat16* xp, size_t n) {
-  for (size_t i = 4 * (blockIdx.x * (size_t)blockDim.x + threadIdx.x); i < n; i += 4 * (size_t)gridDim.x * blockDim.x)
-    store_bf16x4(xp, i, make_float4(__bfloat162float(x[i]), __bfloat162float(x[i + 1]), __bfloat162float(x[i + 2]),
-                                    __bfloat162float(x[i + 3])));
-}
-
 int main(int argc, char** argv) {
   cudaDeviceProp p;
   cudaGetDeviceProperties(&p, 0);
@@ -420,8 +321,6 @@ int main(int argc, char** argv) {
   fill<<<1024, 256>>>(w, max_elems * layers, 1u);
   cudaMalloc(&x, (size_t)NB * 8192 * 2);
   fill<<<64, 256>>>(x, (size_t)NB * 8192, 2u);
-  __nv_bfloat16* xp;   // per shape: x_perm of the [NB][K] activations
-  cudaMalloc(&xp, (size_t)NB * 8192 * 2);
   const size_t ny = (size_t)NB * sms * 62;
   cudaMalloc(&y, ny * 4);
   unsigned* bar;
@@ -429,19 +328,17 @@ int main(int argc, char** argv) {
   cudaMemset(bar, 0, 8);
   printf("%d layers, %s, %d SMs, batch %d\n", layers, p.name, sms, NB);
   const char* names[] = {"megakernel (regs, U)", "regs, 2 U", "regs, no activation copies", "weight loads only",
-                         "per-thread cp.async ring", "block bulk-copy ring", "wgmma (LBO 128)", "wgmma (SBO 128)",
-                         "wgmma, 3 register sets"};
+                         "per-thread cp.async ring", "block bulk-copy ring"};
   int bad = 0;
   for (const Shape& s : shapes) {
     const size_t stride = (size_t)sms * s.nrows * s.K, bytes = stride * 2, n = (size_t)NB * sms * s.nrows;
     std::vector<float> ref(n), out(n);
     // float64 reference of a few outputs of the last layer (batch row b, global row gr)
     std::vector<__nv_bfloat16> wrow(s.K), xh((size_t)NB * s.K);
-    permute_x<<<64, 256>>>(x, xp, (size_t)NB * s.K);   // x as [NB][s.K] (rows s.K apart)
     for (int b = 0; b < NB; b++) cudaMemcpy(xh.data() + (size_t)b * s.K, x + (size_t)b * s.K, s.K * 2, cudaMemcpyDeviceToHost);
     for (int sync = 0; sync < 2; sync++) {
       unsigned* b = sync ? bar : nullptr;
-      for (int m = 0; m < 9; m++) {
+      for (int m = 0; m < 6; m++) {
         if (NT > 4 && (m == 4 || m == 5)) continue;   // their rings do not fit beside NT 16's chunks
         float t = 0;
         switch (m) {
@@ -451,9 +348,6 @@ int main(int argc, char** argv) {
           case 3: t = run<3>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 4: t = run<4>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 5: t = run<5>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 6: t = run<6>(w, xp, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 7: t = run<7>(w, xp, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 8: t = run<8>(w, xp, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
         }
         cudaMemcpy(out.data(), y, n * 4, cudaMemcpyDeviceToHost);
         double err = 0;

@@ -390,30 +390,6 @@ def test_kernel_macros_from_argument_and_environment(monkeypatch):
         compile_megakernel(torch.bfloat16)
 
 
-def test_kernel_macros_and_macro_defined(monkeypatch):
-    """A build's macros are `defines` then TPMK_MK_DEFINES; macro_defined sees NAME and
-    NAME=VALUE alike (as #ifdef does) and no other name that merely starts the same."""
-    from tpmk.kernels.megakernel import kernel_macros, macro_defined
-    monkeypatch.setenv("TPMK_MK_DEFINES", "MK_WGMMA=1 PREFETCH_CAP")
-    assert kernel_macros(("A=1",)) == ("A=1", "MK_WGMMA=1", "PREFETCH_CAP")
-    assert macro_defined(("MK_WGMMA=1",), "MK_WGMMA") and macro_defined(("MK_WGMMA",), "MK_WGMMA")
-    assert not macro_defined(("MK_WGMMAX=1", "PREFETCH_CAP=1"), "MK_WGMMA")
-
-
-def test_wgmma_experiment_refuses_k_not_a_multiple_of_32(monkeypatch):
-    """MK_WGMMA (compiled out by default) permutes the activations within 32-column blocks, so a
-    tensor-core bucket whose K is not a multiple of 32 is refused, naming the value; buckets below
-    MMA_MIN_BATCH and the default build accept it."""
-    from tpmk.kernels.megakernel import check_shapes
-    monkeypatch.delenv("TPMK_MK_DEFINES", raising=False)
-    cfg = ModelConfig.from_name("tiny").replace(intermediate_size=400)   # 200 per rank at tp 2
-    on = ("MK_WGMMA=1",)
-    with pytest.raises(ValueError, match="intermediate/tp=200 must be a multiple of 32 for the MK_WGMMA"):
-        check_shapes(cfg, build_schedule(cfg, 2, 8, 4), torch.bfloat16, on)
-    check_shapes(cfg, build_schedule(cfg, 2, 4, 4), torch.bfloat16, on)
-    check_shapes(cfg, build_schedule(cfg, 2, 8, 4), torch.bfloat16)
-
-
 def test_profile_trace_events_without_gpu():
     """Host-side formatting of --profile timestamps into Chrome-trace events."""
     from tpmk.kernels.megakernel import Megakernel

@@ -60,11 +60,6 @@ def kernel_macros(defines: tuple[str, ...] = ()) -> tuple[str, ...]:
     return macros
 
 
-def macro_defined(macros: tuple[str, ...], name: str) -> bool:
-    """Whether `name` is among `macros` (NAME or NAME=anything: what #ifdef sees)."""
-    return any(m.split("=", 1)[0] == name for m in macros)
-
-
 def out_words(sched: Schedule) -> int:
     """f32 words per batch row after linear()'s inputs: its outputs ([rows] of the largest tile)."""
     return max(2 * i.nrows if i.name in ("qkv", "gate_up") else i.nrows
@@ -118,8 +113,7 @@ def residual_words(sched: Schedule) -> int:
     return words
 
 
-def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype,
-                 macros: tuple[str, ...] = ()) -> tuple[int, int]:
+def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple[int, int]:
     """Refuses what the kernel cannot run, naming the value; needs no GPU (Megakernel calls it
     before touching the device). Returns (kmax, dynamic shared-memory bytes)."""
     isa.check_vocab(cfg.vocab_size)
@@ -128,9 +122,6 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype,
     for name, k in (("hidden_size", H), ("q_heads*head_dim", hq * D), ("intermediate/tp", inter)):
         if k % 8:
             raise ValueError(f"{name}={k} must be a multiple of 8 for 16-byte loads")
-        if k % 32 and macro_defined(macros, "MK_WGMMA") and sched.bucket >= isa.MMA_MIN_BATCH:
-            raise ValueError(f"{name}={k} must be a multiple of 32 for the MK_WGMMA build "
-                             "(its activations are permuted within 32-column blocks)")
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim={D} is not supported by the megakernel's attention; "
                          f"supported: {HEAD_DIMS} (every Llama model uses 64 or 128)")
@@ -178,7 +169,7 @@ class Megakernel:
             raise ValueError(f"loopback runs one rank alone, but reduce={sched.reduce!r} needs the "
                              f"other ranks' owner tiles; build the schedule with reduce='oneshot'")
         dtype = shards[0].qkv.dtype
-        kmax, self.smem = check_shapes(cfg, sched, dtype, kernel_macros(defines))
+        kmax, self.smem = check_shapes(cfg, sched, dtype)
         dev = k_caches[0].device
         if dev.type != "cuda":
             raise ValueError(f"the megakernel needs CUDA tensors, got caches on {dev}")

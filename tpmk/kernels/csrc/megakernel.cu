@@ -17,7 +17,6 @@
 #include "ops/down.cuh"
 #include "ops/lm_head.cuh"
 #include "ops/argmax.cuh"
-#include "ops/linear_wg.cuh"
 #include "mk_prefetch.cuh"
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -65,10 +64,6 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     __syncthreads();
     if (!go) return;
     prof_mark(a, 6);
-#ifdef MK_WGMMA
-    if (linear_wg_runs(ins, step_batch())) linear_wg(a, ins, hdr, step_batch(), smem);
-    else
-#endif
     switch (ins[isa::F_OP]) {
       case isa::OP_NOP: break;
       case isa::OP_EMBED: op_embed(a, ins, hdr, smem); break;

@@ -230,20 +230,9 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // bf[off..off + 4) = v rounded to bf16 (nearest even): the tensor cores' inputs.
-// MK_WGMMA (mk_mma.cuh): stored in the weights' k permutation instead, in place within each
-// 32-column block (rows 32-aligned: K a multiple of 32, host-checked). Column p = 8t + 4s + 2j + e
-// of a block goes to 16s + 2t + 8j + e, the order in which a lane's 16-byte weight load (k
-// 8t..8t+7) feeds the A fragments of the block's two k16 steps.
 __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, float4 v) {
   const unsigned lo = bf2_bits(__floats2bfloat162_rn(v.x, v.y)), hi = bf2_bits(__floats2bfloat162_rn(v.z, v.w));
-#ifdef MK_WGMMA
-  const int p = off % 32, t = p / 8, s = p / 4 % 2;
-  __nv_bfloat16* blk = bf + (off - p) + 16 * s + 2 * t;
-  *reinterpret_cast<unsigned*>(blk) = lo;
-  *reinterpret_cast<unsigned*>(blk + 8) = hi;
-#else
   *reinterpret_cast<uint2*>(bf + off) = make_uint2(lo, hi);
-#endif
 }
 
 // xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K.

@@ -20,7 +20,7 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
                          const XSrc& src, const RowMap& row, float* smem) {
   float* red = smem;
   float* base = smem + NWARPS * BATCH_CHUNK;
-#if defined(MK_HAS_MMA) && !defined(MK_WGMMA)   // MK_WGMMA: linear_wg.cuh runs these batches
+#ifdef MK_HAS_MMA
   if (mma_batch(batch)) {
     float* outs = base + MMA_OUT_AT;
     matvec_mma(a, K, b0, nb, nrows, src, row, outs, base);
@@ -38,26 +38,6 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   return outs;
 }
 
-// A row-parallel op's pass: its partial sums [nb, n] (columns c0..c0 + n) -> rows b0.. of
-// slot[rank] of peers p0 .. p1 - 1.
-__device__ __forceinline__ void push_out(const KernelArgs& a, int c0, int n, int p0, int p1, int b0, int nb,
-                                         const unsigned long long* slots, const float* outs) {
-  prof_mark(a, 10);   // the pass's outputs staged (the last pass's)
-  for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
-    const size_t off = ((size_t)a.rank * a.bucket + b0 + i / n) * a.hidden + c0 + i % n;
-    for (int p = p0; p < p1; p++) reinterpret_cast<float*>(slots[p])[off] = outs[i];
-  }
-  __syncthreads();
-}
-
-// The peers a row-parallel tile's partial sums go to: [p0, p1) (every rank, or the tile's
-// owner only: OWNER bit, reduce-scatter).
-__device__ __forceinline__ int2 push_peers(const KernelArgs& a, const int* ins) {
-  const bool rs = ins[isa::F_SIGNAL_PEERS] & isa::SIG_OWNER;
-  const int p0 = rs ? owner_rank(a, ins) : 0;
-  return make_int2(p0, rs ? p0 + 1 : a.tp);
-}
-
 // A row-parallel op (o_proj, down; `op` its opcode): this instruction's tile over every batch pass, each
 // pass's [nb, n] partial sums pushed to rows b0.. of slot[rank] (columns ROW0..ROW0+n) of
 // every peer, or of the tile's owner only (OWNER bit: reduce-scatter); `slots`: the
@@ -68,10 +48,16 @@ __device__ __forceinline__ void linear_push(const KernelArgs& a, const int* ins,
   Tile tile;
   linear_tile(a, ins, op, tile);
   const int c0 = ins[isa::F_ROW0], n = tile.nrows, chunk = linear_chunk(batch, n);
-  const int2 peers = push_peers(a, ins);
+  const bool rs = ins[isa::F_SIGNAL_PEERS] & isa::SIG_OWNER;
+  const int p0 = rs ? owner_rank(a, ins) : 0, p1 = rs ? p0 + 1 : a.tp;
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int nb = min(chunk, batch - b0);
     const float* outs = linear(a, batch, tile.K, b0, nb, n, src, tile.rows, smem);   // [nb, n]
-    push_out(a, c0, n, peers.x, peers.y, b0, nb, slots, outs);
+    prof_mark(a, 10);   // the pass's outputs staged (the last pass's)
+    for (int i = threadIdx.x; i < nb * n; i += NTHREADS) {
+      const size_t off = ((size_t)a.rank * a.bucket + b0 + i / n) * a.hidden + c0 + i % n;
+      for (int p = p0; p < p1; p++) reinterpret_cast<float*>(slots[p])[off] = outs[i];
+    }
+    __syncthreads();
   }
 }

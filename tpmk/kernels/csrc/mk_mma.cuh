@@ -38,11 +38,6 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 #ifndef MMA_U_BIG
 #define MMA_U_BIG 2
 #endif
-// MK_WGMMA: k blocks per group at every NT (three groups' registers are live there; 4 below NT 8
-// spilled 1588 bytes in the entry function, 2: 172).
-#ifndef MMA_U_WG
-#define MMA_U_WG 2
-#endif
 template <int NT>
 __host__ __device__ constexpr int mma_kc() { return MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX; }
 // One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
@@ -98,165 +93,33 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
   cp_async_commit();
 }
 
-#ifdef MK_WGMMA
-// Experiment (compiled out by default): the matvec on wgmma (m64nNk16, N = the pass's batch
-// rows). The weights stay the A operand from registers (the same 16-byte loads and k permutation:
-// a warp of a warpgroup holds the m16n8k16 A fragment of its 16 rows), the activations are B
-// from shared memory, read once per warpgroup (64 rows) instead of once per warp (16 rows).
-// B is in the canonical no-swizzle K-major layout: element (n, kk) of a chunk at byte
-// (n / 8) KC 16 + (kk / 8) 128 + (n % 8) 16 + (kk % 8) 2, so the 8 logical k of a core-matrix
-// row must be 16 contiguous bytes: the producers store the activations in the weights' k
-// permutation (store_bf16x4, mk_common.cuh; K a multiple of 32, host-checked), and a chunk
-// lands with 16-byte cp.asyncs.
-// The descriptor's leading byte offset (LBO) is the step between the two k8 core matrices of a
-// k16 step (128 bytes here), the stride (SBO) the step between 8-row groups of n (KC 16 bytes):
-// the PTX ISA's K-major no-swizzle canonical layout ((8,m),(T,2k)):((1T,SBO),(1,LBO)) (T = 8
-// bf16 = 16 bytes; "Canonical Layouts" under wgmma's shared memory matrix layout). WG_SWAP
-// swaps them, in case bench/mma_probe.cu finds the other reading right.
-// ptxas serializes these wgmmas, each one waited for before the next (C7510). It does so for any
-// wgmma in a function that is not the kernel's entry (a 10-line kernel whose wgmma loop is a
-// __noinline__ function gets the same C7510; inlined, none), so they only pipeline once the
-// whole path from the instruction loop is inlined. Inlining linear() and matvec_mma_nt here gave
-// 1104 bytes of spill stores and still C7510 (lm_head's op is a call). Branches around them would
-// serialize them as well (C7520), hence the clamped k blocks below.
-// Measured (H100, ctx 1024, 2026-12-06, one call against the default build): batch 1 / 8 / 32 /
-// 128 in 9.02 / 13.49 / 23.22 / 53.85 ms against 8.91 / 10.14 / 14.19 / 33.74; correct (the
-// batched tensor-core GPU tests pass). bench/mma_probe.cu's wgmma variant, whose wgmmas are
-// not serialized but wait for each group's before its next loads, also lost at batch 32
-// (gate_up 65.7 against 43.6 us per layer).
-constexpr bool MMA_WG = true;
-#define MMA_FN __forceinline__   // inlined up to the instruction loop (linear_wg.cuh)
-#ifdef WG_SWAP
-constexpr bool WG_SWAPPED = true;
-#else
-constexpr bool WG_SWAPPED = false;
-#endif
-template <int NT>
-__device__ __forceinline__ void wgmma_bf16(float (&d)[NT][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                           unsigned long long desc);
-// The accumulator operands of n-tile n: D's four f32 registers of it (m16n8k16 C fragment order).
-#define WG_D4(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
-template <>
-__device__ __forceinline__ void wgmma_bf16<1>(float (&d)[1][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                           unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
-               "%0,%1,%2,%3"
-               "}, {%4,%5,%6,%7}, %8, 1, 1, 1, 0;"
-               : WG_D4(0)
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
-}
-template <>
-__device__ __forceinline__ void wgmma_bf16<2>(float (&d)[2][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                           unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
-               "%0,%1,%2,%3,%4,%5,%6,%7"
-               "}, {%8,%9,%10,%11}, %12, 1, 1, 1, 0;"
-               : WG_D4(0), WG_D4(1)
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
-}
-template <>
-__device__ __forceinline__ void wgmma_bf16<4>(float (&d)[4][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                           unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
-               "}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;"
-               : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3)
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
-}
-template <>
-__device__ __forceinline__ void wgmma_bf16<8>(float (&d)[8][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                           unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-               "}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
-               : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5),
-                 WG_D4(6), WG_D4(7)
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
-}
-template <>
-__device__ __forceinline__ void wgmma_bf16<16>(float (&d)[16][4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                           unsigned long long desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-               "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-               "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-               "}, {%64,%65,%66,%67}, %68, 1, 1, 1, 0;"
-               : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5),
-                 WG_D4(6), WG_D4(7), WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11),
-                 WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");
-}
-#undef WG_D4
-
-__device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned lbo, unsigned sbo) {
-  return (unsigned long long)((__cvta_generic_to_shared(p) & 0x3ffff) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
-         (unsigned long long)(sbo >> 4) << 32;
-}
-
-// Chunk [kc0, kc0 + KC) of rows b0 .. b0 + nb (rows >= nb and columns >= K zero-filled) into
-// dst in the canonical layout; consecutive threads take consecutive rows n % 8 (16 bytes apart
-// in shared memory), committed as one group.
-template <int NT>
-__device__ __forceinline__ void wg_stage(const __nv_bfloat16* x, int ldx, int b0, int nb, int kc0, int K,
-                                         char* dst) {
-  // Copy e of a thread: row n = 8 (e / S) + tid % 8, column block k8 = 32 (e % S) + tid / 8 (S =
-  // KC / NTHREADS copies span a row group), so its addresses are one base plus constants.
-  constexpr int KC = mma_kc<NT>(), P = NT * 8 * KC / 8 / NTHREADS, S = KC / NTHREADS;
-  static_assert(P * NTHREADS == NT * KC && S * NTHREADS == KC && NTHREADS / 8 == 32, "whole copies per thread");
-  const int n0 = threadIdx.x % 8, k80 = threadIdx.x / 8;
-  const __nv_bfloat16* src = x + (size_t)(b0 + n0) * ldx + kc0 + k80 * 8;
-  char* d = dst + k80 * 128 + n0 * 16;
-#pragma unroll
-  for (int e = 0; e < P; e++) {
-    const int ng = e / S, kb = e % S;   // compile-time
-    const bool ok = 8 * ng + n0 < nb && kc0 + (32 * kb + k80) * 8 < K;
-    cp_async16(d + ng * KC * 16 + kb * 32 * 128, ok ? src + (size_t)8 * ng * ldx + kb * 256 : x, ok ? 16 : 0);
-  }
-  cp_async_commit();
-}
-#else
-constexpr bool MMA_WG = false;   // mma.sync
-#define MMA_FN __noinline__
-#endif  // MK_WGMMA
 
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
-// NT n-tiles of 8 batch rows; units of UM warps take (m-tile of 16 UM rows, K part) (mma.sync:
-// a warp and 16 rows; MK_WGMMA: a warpgroup and 64); K parts interleave the
+// NT n-tiles of 8 batch rows; warps take (m-tile of 16 rows, K part); K parts interleave the
 // 32-wide k blocks of each chunk and are summed in fixed order, as are the RMSNorm partials.
 // Pipelined: a warp's weight loads run one group of U k blocks ahead of its MMAs, across chunk
 // boundaries (weights never wait for activations), and the next chunk's inputs are in flight
 // (cp.async into the other buffer) while this chunk's MMAs run: one barrier per chunk.
 template <int NT>
-__device__ MMA_FN void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
+__device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32;
-  constexpr int U = MMA_WG ? MMA_U_WG : NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
-  constexpr int UM = MMA_WG ? 4 : 1, UNITS = NWARPS / UM;   // warps per m-tile unit, units per pass
+  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
   static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
   __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]
   float* part = sm + MMA_PASS;             // [NWARPS][NT][4][32], reuses the buffers after the K loop
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, unit = warp / UM;
-  const int mtiles = (nrows + 16 * UM - 1) / (16 * UM), nchunks = (K + KC - 1) / KC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int mtiles = (nrows + 15) / 16, nchunks = (K + KC - 1) / KC;
   const int row0 = threadIdx.x / (KC / 8), kk = threadIdx.x % (KC / 8) * 8;   // this thread's copies
   const __nv_bfloat16* xsrc = src.bf + (size_t)(b0 + row0) * src.ldx + kk;
   __nv_bfloat16* xdst = xbuf + row0 * XS + kk;
   auto stage = [&](int c) {   // chunk c's activations into buffer c % 2
-    if constexpr (MMA_WG) {
-#ifdef MK_WGMMA
-      wg_stage<NT>(src.bf, src.ldx, b0, nb, c * KC, K, reinterpret_cast<char*>(xbuf + c % 2 * NB * XS));
-#endif
-    } else {
-      mma_stage<NT>(xsrc + c * KC, src.ldx, nb - row0, c * KC + kk < K, src.bf, xdst + c % 2 * NB * XS);
-    }
+    mma_stage<NT>(xsrc + c * KC, src.ldx, nb - row0, c * KC + kk < K, src.bf, xdst + c % 2 * NB * XS);
   };
-  for (int mt0 = 0; mt0 < mtiles; mt0 += UNITS) {
-    const int mcount = min(UNITS, mtiles - mt0), ks = UNITS / mcount;
-    const int mt = mt0 + unit / ks, kp = unit % ks, r0 = mt * 16 * UM + warp % UM * 16;
-    // MK_WGMMA: a warp past the last row still feeds (zero) A fragments to its warpgroup's wgmmas
-    const bool active = unit / ks < mcount && r0 < nrows, mmas = MMA_WG || active;
+  for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
+    const int mcount = min(NWARPS, mtiles - mt0), ks = NWARPS / mcount;
+    const int mt = mt0 + warp / ks, kp = warp % ks, r0 = mt * 16;
+    const bool active = warp / ks < mcount && r0 < nrows;
     const int groups = (NKB + ks * U - 1) / (ks * U);   // per chunk, the same for every warp
     const int ngroups = nchunks * groups;
     const wtype* wa = row(min(r0 + g, nrows - 1));
@@ -298,43 +161,6 @@ __device__ MMA_FN void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb,
         if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
       }
     }
-#ifdef MK_WGMMA
-    // Group gi's weights in set gi % 3: two groups' loads are in flight while one group's wgmmas
-    // run (wait_group 1: the group before is done, and its set is refilled). Groups past the
-    // last carry zero weights and read the last chunk (no branch around the wgmmas).
-    uint4 ca1[U], cb1[U], ca2[U], cb2[U];
-    load_group(1, ca1, cb1);
-    constexpr unsigned LBO = WG_SWAPPED ? KC * 16 : 128, SBO = WG_SWAPPED ? 128 : KC * 16;
-    auto step = [&](int gi, const uint4 (&wa_)[U], const uint4 (&wb_)[U], uint4 (&fa)[U], uint4 (&fb)[U]) {
-      const int c = min(gi / groups, nchunks - 1), gc = gi % groups;
-      if (gc == 0 && gi < ngroups) {   // chunk c's first group (uniform; no wgmma inside)
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");   // chunk c - 1's, whose buffer stage(c + 1) refills
-        cp_async_wait_all();   // this thread's copies of chunk c
-        // publishes them (generic proxy) to the wgmmas that read them after the barrier (async proxy)
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
-        if (c == 0 && mt0 == 0) prof_mark(a, 8);   // the first chunk's activations landed
-        if (c + 1 < nchunks) stage(c + 1);
-      }
-      const char* xc = reinterpret_cast<const char*>(xbuf + c % 2 * NB * XS);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-      for (int u = 0; u < U; u++) {
-        const char* p = xc + min(kp + (gc * U + u) * ks, NKB - 1) * 4 * 128;   // logical k 32 kb
-        wgmma_bf16<NT>(acc, wa_[u].x, wb_[u].x, wa_[u].y, wb_[u].y, wg_desc(p, LBO, SBO));
-        wgmma_bf16<NT>(acc, wa_[u].z, wb_[u].z, wa_[u].w, wb_[u].w, wg_desc(p + 2 * 128, LBO, SBO));
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-      load_group(gi + 2, fa, fb);
-    };
-    for (int gi = 0; gi < ngroups; gi += 3) {
-      step(gi, ca, cb, ca2, cb2);
-      step(gi + 1, ca1, cb1, ca, cb);
-      step(gi + 2, ca2, cb2, ca1, cb1);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#else
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
       cp_async_wait_all();   // this thread's copies of chunk c
@@ -364,29 +190,28 @@ __device__ MMA_FN void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb,
         for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
       }
     }
-#endif
     __syncthreads();   // the chunk buffers are no longer read
     prof_mark(a, 9);   // the K loop's MMAs done (the last m-tile pass's)
-    if (mmas)
+    if (active)
 #pragma unroll
       for (int n = 0; n < NT; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
     __syncthreads();
-    // The pass's m16 tiles m (K part p of tile m: warp m % UM of unit (m / UM) ks + p), each
+    // The pass's m-tiles m (K part p of tile m: warp m ks + p), each
     // output the fixed-order sum of its K parts, times the RMSNorm scale.
     // C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols), so lane
     // ln's acc[n][i] is row 8 (i / 2) + ln / 4 of the m-tile, batch row 8 n + 2 (ln % 4) + i % 2.
     // Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
     // conflicts; with the batch row fastest, 8 lanes shared a bank) and its stores to outs hit 8
     // banks (32 lanes on one with nrows % 32 == 0).
-    const int m16s = min(mcount * UM, (nrows + 15) / 16 - mt0 * UM);
+    const int m16s = min(mcount, mtiles - mt0);
     for (int idx = threadIdx.x; idx < m16s * NT * 128; idx += NTHREADS) {
       const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);
-      const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (mt0 * UM + m) * 16 + r16;
+      const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (mt0 + m) * 16 + r16;
       if (r >= nrows || b >= nb) continue;
       float v = 0.f;
-      for (int p = 0; p < ks; p++) v += part[((((m / UM * ks + p) * UM + m % UM) * NT + n) * 4 + i) * 32 + ln];
+      for (int p = 0; p < ks; p++) v += part[(((m * ks + p) * NT + n) * 4 + i) * 32 + ln];
       if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
       outs[b * nrows + r] = v;
     }
@@ -395,12 +220,7 @@ __device__ MMA_FN void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb,
 }
 
 static_assert(MMA_PASS % 8 == 0 && MMA_PASS <= 128, "matvec_mma dispatches up to 16 n-tiles");
-#ifdef MK_WGMMA
-__device__ __forceinline__
-#else
-__device__
-#endif
-void matvec_mma(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
+__device__ void matvec_mma(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                            const RowMap& row, float* outs, float* sm) {
   if (nb <= 8) matvec_mma_nt<1>(a, K, b0, nb, nrows, src, row, outs, sm);
   else if (nb <= 16) matvec_mma_nt<2>(a, K, b0, nb, nrows, src, row, outs, sm);

@@ -3,12 +3,8 @@
 #pragma once
 #include "mk_linear.cuh"
 
-// down's input rows: gate_up's activations (f32, and bf16 for the tensor cores).
-__device__ __forceinline__ XSrc down_src(const KernelArgs& a) {
-  return XSrc{reinterpret_cast<const float*>(a.act), a.inter, nullptr,
-              reinterpret_cast<const __nv_bfloat16*>(a.act_bf), nullptr, 0};
-}
-
 __device__ LINEAR_OP void op_down(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  linear_push(a, ins, isa::OP_DOWN, step_batch(), down_src(a), a.peer_mlp_slots, smem);
+  const XSrc src{reinterpret_cast<const float*>(a.act), a.inter, nullptr,
+                 reinterpret_cast<const __nv_bfloat16*>(a.act_bf), nullptr, 0};
+  linear_push(a, ins, isa::OP_DOWN, step_batch(), src, a.peer_mlp_slots, smem);
 }

@@ -4,12 +4,8 @@
 #pragma once
 #include "mk_linear.cuh"
 
-// o_proj's input rows: the merged attention output (f32, and bf16 for the tensor cores).
-__device__ __forceinline__ XSrc o_proj_src(const KernelArgs& a) {
-  return XSrc{reinterpret_cast<const float*>(a.attn_out), a.q_heads * a.head_dim, nullptr,
-              reinterpret_cast<const __nv_bfloat16*>(a.attn_bf), nullptr, 0};
-}
-
 __device__ LINEAR_OP void op_o_proj(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
-  linear_push(a, ins, isa::OP_O_PROJ, step_batch(), o_proj_src(a), a.peer_attn_slots, smem);
+  const XSrc src{reinterpret_cast<const float*>(a.attn_out), a.q_heads * a.head_dim, nullptr,
+                 reinterpret_cast<const __nv_bfloat16*>(a.attn_bf), nullptr, 0};
+  linear_push(a, ins, isa::OP_O_PROJ, step_batch(), src, a.peer_attn_slots, smem);
 }
