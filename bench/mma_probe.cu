@@ -12,8 +12,6 @@
 //   4 a per-thread cp.async ring of weights, D groups of U = 2 in flight, then the MMAs read them
 //   5 a block ring of weights: S stages of 64 rows x 128 columns, one warp issuing bulk copies
 //     (cp.async.bulk, mbarrier completion), every warp reading its rows from shared memory
-//   6 as 0 with three register sets of weights: two groups' loads in flight while one group's
-//     MMAs run (0 has one; a larger U made the megakernel slower: mk_mma.cuh MMA_U_BIG)
 // Variants 4 and 5 run at NT 4 only (their rings and NT 16's chunk buffers exceed shared memory).
 // Every variant's outputs (last layer) are compared with variant 0's and with a float64 sum.
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a [-DPROBE_NT=16] -o /tmp/mma_probe bench/mma_probe.cu
@@ -124,7 +122,7 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
     const __nv_bfloat16* wa = W + (size_t)min(mt * 16 + g, nrows - 1) * K;
     const __nv_bfloat16* wb = W + (size_t)min(mt * 16 + g + 8, nrows - 1) * K;
     float acc[NT][4] = {};
-    if (MODE <= 3 || MODE == 6) {
+    if (MODE <= 3) {
       constexpr int U = MODE == 1 ? 2 * U0 : U0;
       const int groups = (NKB + ks * U - 1) / (ks * U), ngroups = nchunks * groups;
       auto load_group = [&](int gi, uint4 (&ua)[U], uint4 (&ub)[U]) {
@@ -139,37 +137,8 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
       };
       uint4 ca[U], cb[U];
       load_group(0, ca, cb);
-      if (MODE == 6) {
-        // Group gi's weights in set gi % 3; step gi first refills group gi - 1's set (its MMAs
-        // were issued last step) with group gi + 2, so two groups' loads are in flight while
-        // group gi's MMAs run, where variant 0 has one.
-        uint4 ca1[U], cb1[U], ca2[U], cb2[U];
-        load_group(1, ca1, cb1);
-        stage_x(x, K, 0, xbuf);
-        auto step = [&](int gi, const uint4 (&wa_)[U], const uint4 (&wb_)[U], uint4 (&fa)[U], uint4 (&fb)[U]) {
-          load_group(gi + 2, fa, fb);
-          const int c = gi / groups, gc = gi % groups;
-          if (gc == 0) {   // chunk c's first group (uniform)
-            cp_async_wait<0>();
-            __syncthreads();
-            if (c + 1 < nchunks) stage_x(x, K, c + 1, xbuf + (c + 1) % 2 * NB * XS);
-          }
-          const __nv_bfloat16* xc = xbuf + c % 2 * NB * XS;
-          if (active)
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-              const int kb = kp + (gc * U + u) * ks;
-              if (kb < NKB) mma_kblock(acc, wa_[u], wb_[u], xc, kb, g, t);
-            }
-        };
-        for (int gi = 0; gi < ngroups; gi += 3) {
-          step(gi, ca, cb, ca2, cb2);
-          if (gi + 1 < ngroups) step(gi + 1, ca1, cb1, ca, cb);
-          if (gi + 2 < ngroups) step(gi + 2, ca2, cb2, ca1, cb1);
-        }
-      }
       if (MODE <= 1) stage_x(x, K, 0, xbuf);
-      for (int c = 0; c < nchunks && MODE != 6; c++) {
+      for (int c = 0; c < nchunks; c++) {
         if (MODE <= 2) {
           cp_async_wait<0>();
           __syncthreads();
@@ -193,7 +162,7 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
           for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb[u]; }
         }
       }
-      if (MODE <= 2 || MODE == 6) __syncthreads();
+      if (MODE <= 2) __syncthreads();
     } else if (MODE == 4) {
       // Per-thread ring: group i = k blocks kp + (i * U + u) * ks of the whole K (chunk by
       // chunk); slot i % D holds this lane's 2 U x 16 bytes.
@@ -359,7 +328,7 @@ int main(int argc, char** argv) {
   cudaMemset(bar, 0, 8);
   printf("%d layers, %s, %d SMs, batch %d\n", layers, p.name, sms, NB);
   const char* names[] = {"megakernel (regs, U)", "regs, 2 U", "regs, no activation copies", "weight loads only",
-                         "per-thread cp.async ring", "block bulk-copy ring", "regs, three sets (2 in flight)"};
+                         "per-thread cp.async ring", "block bulk-copy ring"};
   int bad = 0;
   for (const Shape& s : shapes) {
     const size_t stride = (size_t)sms * s.nrows * s.K, bytes = stride * 2, n = (size_t)NB * sms * s.nrows;
@@ -369,7 +338,7 @@ int main(int argc, char** argv) {
     for (int b = 0; b < NB; b++) cudaMemcpy(xh.data() + (size_t)b * s.K, x + (size_t)b * s.K, s.K * 2, cudaMemcpyDeviceToHost);
     for (int sync = 0; sync < 2; sync++) {
       unsigned* b = sync ? bar : nullptr;
-      for (int m = 0; m < 7; m++) {
+      for (int m = 0; m < 6; m++) {
         if (NT > 4 && (m == 4 || m == 5)) continue;   // their rings do not fit beside NT 16's chunks
         float t = 0;
         switch (m) {
@@ -379,7 +348,6 @@ int main(int argc, char** argv) {
           case 3: t = run<3>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 4: t = run<4>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 5: t = run<5>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 6: t = run<6>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
         }
         cudaMemcpy(out.data(), y, n * 4, cudaMemcpyDeviceToHost);
         double err = 0;

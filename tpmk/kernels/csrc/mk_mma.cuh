@@ -161,43 +161,6 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
         if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
       }
     }
-#ifdef MMA_RING3
-    // Experiment (compiled out by default; bench/mma_probe.cu variant 6): group gi's weights in
-    // set gi % 3, and step gi first refills group gi - 1's set with group gi + 2, so two groups'
-    // loads are in flight while a group's MMAs run (one otherwise).
-    uint4 ca1[U], cb1[U], ca2[U], cb2[U];
-    load_group(1, ca1, cb1);
-    auto step = [&](int gi, const uint4 (&wa_)[U], const uint4 (&wb_)[U], uint4 (&fa)[U], uint4 (&fb)[U]) {
-      load_group(gi + 2, fa, fb);
-      const int c = gi / groups, gc = gi % groups;
-      if (gc == 0) {   // chunk c's first group (uniform)
-        cp_async_wait_all();   // this thread's copies of chunk c
-        __syncthreads();   // everyone's copies of chunk c landed; chunk c - 1's buffer is no longer read
-        if (c == 0 && mt0 == 0) prof_mark(a, 8);   // the first chunk's activations landed
-        if (c + 1 < nchunks) stage(c + 1);
-      }
-      const __nv_bfloat16* xc = xbuf + c % 2 * NB * XS;
-      if (active) {   // as in the loop below, with this step's weight set
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-          const int kbu = kp + (gc * U + u) * ks;
-          if (kbu < NKB && c * KC + kbu * 32 < K) {   // warp-uniform
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-              const uint4 bx = *reinterpret_cast<const uint4*>(xc + (n * 8 + g) * XS + kbu * 32 + 8 * t);
-              mma_bf16(acc[n], wa_[u].x, wb_[u].x, wa_[u].y, wb_[u].y, bx.x, bx.y);
-              mma_bf16(acc[n], wa_[u].z, wb_[u].z, wa_[u].w, wb_[u].w, bx.z, bx.w);
-            }
-          }
-        }
-      }
-    };
-    for (int gi = 0; gi < ngroups; gi += 3) {
-      step(gi, ca, cb, ca2, cb2);
-      if (gi + 1 < ngroups) step(gi + 1, ca1, cb1, ca, cb);
-      if (gi + 2 < ngroups) step(gi + 2, ca2, cb2, ca1, cb1);
-    }
-#else
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
       cp_async_wait_all();   // this thread's copies of chunk c
@@ -227,7 +190,6 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
         for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
       }
     }
-#endif
     __syncthreads();   // the chunk buffers are no longer read
     prof_mark(a, 9);   // the K loop's MMAs done (the last m-tile pass's)
     if (active)
