@@ -231,8 +231,8 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // bf[off..off + 4) = v rounded to bf16 (nearest even): the tensor cores' inputs.
 __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, float4 v) {
-  const unsigned lo = bf2_bits(__floats2bfloat162_rn(v.x, v.y)), hi = bf2_bits(__floats2bfloat162_rn(v.z, v.w));
-  *reinterpret_cast<uint2*>(bf + off) = make_uint2(lo, hi);
+  *reinterpret_cast<uint2*>(bf + off) = make_uint2(bf2_bits(__floats2bfloat162_rn(v.x, v.y)),
+                                                   bf2_bits(__floats2bfloat162_rn(v.z, v.w)));
 }
 
 // xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K.

@@ -93,7 +93,6 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
   cp_async_commit();
 }
 
-
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
 // NT n-tiles of 8 batch rows; warps take (m-tile of 16 rows, K part); K parts interleave the
 // 32-wide k blocks of each chunk and are summed in fixed order, as are the RMSNorm partials.
@@ -198,15 +197,14 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
         for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
     __syncthreads();
-    // The pass's m-tiles m (K part p of tile m: warp m ks + p), each
-    // output the fixed-order sum of its K parts, times the RMSNorm scale.
+    // The pass's m-tiles m (K part p of tile m: warp m ks + p), each output the fixed-order sum
+    // of its K parts, times the RMSNorm scale.
     // C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols), so lane
     // ln's acc[n][i] is row 8 (i / 2) + ln / 4 of the m-tile, batch row 8 n + 2 (ln % 4) + i % 2.
     // Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
     // conflicts; with the batch row fastest, 8 lanes shared a bank) and its stores to outs hit 8
     // banks (32 lanes on one with nrows % 32 == 0).
-    const int m16s = min(mcount, mtiles - mt0);
-    for (int idx = threadIdx.x; idx < m16s * NT * 128; idx += NTHREADS) {
+    for (int idx = threadIdx.x; idx < mcount * NT * 128; idx += NTHREADS) {
       const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);
       const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (mt0 + m) * 16 + r16;
       if (r >= nrows || b >= nb) continue;
