@@ -12,6 +12,11 @@
 //   4 a per-thread cp.async ring of weights, D groups of U = 2 in flight, then the MMAs read them
 //   5 a block ring of weights: S stages of 64 rows x 128 columns, one warp issuing bulk copies
 //     (cp.async.bulk, mbarrier completion), every warp reading its rows from shared memory
+//   6 variant 0 with three activation chunk buffers (two chunks in flight instead of one)
+//   7 the activation copies alone, two buffers (one chunk in flight, as in variant 0)
+//   8 the activation copies alone, three buffers
+// Variants 7 and 8 also run on fewer CTAs (66, 33): whether an SM's copies are limited by its
+// own bytes in flight (same time per CTA) or by L2 as a whole (faster with fewer CTAs).
 // Variants 4 and 5 run at NT 4 only (their rings and NT 16's chunk buffers exceed shared memory).
 // Every variant's outputs (last layer) are compared with variant 0's and with a float64 sum.
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a [-DPROBE_NT=16] -o /tmp/mma_probe bench/mma_probe.cu
@@ -82,12 +87,14 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, int K, int c, __
   cp_async_commit();
 }
 
+__host__ __device__ constexpr int xbufs(int mode) { return mode == 6 || mode == 8 ? 3 : 2; }
+
 template <int MODE>
 __global__ void __launch_bounds__(NTH, 1)
 probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, float* y, int K, int nrows,
       int layers, size_t layer_stride, unsigned* bar) {
   extern __shared__ __align__(128) float sm[];
-  __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm);                    // 2 chunk buffers
+  __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm);                    // XD chunk buffers
   __nv_bfloat16* ring = reinterpret_cast<__nv_bfloat16*>(sm + 2 * XWORDS);       // mode 4 / 5
   __shared__ unsigned long long full[RING_S], empty[RING_S];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -122,29 +129,32 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
     const __nv_bfloat16* wa = W + (size_t)min(mt * 16 + g, nrows - 1) * K;
     const __nv_bfloat16* wb = W + (size_t)min(mt * 16 + g + 8, nrows - 1) * K;
     float acc[NT][4] = {};
-    if (MODE <= 3) {
-      constexpr int U = MODE == 1 ? 2 * U0 : U0;
+    if (MODE <= 3 || MODE >= 6) {
+      constexpr int U = MODE == 1 ? 2 * U0 : U0, XD = xbufs(MODE);
+      constexpr bool LOADS = MODE <= 3 || MODE == 6, MMAS = MODE <= 2 || MODE == 6, COPIES = MODE <= 1 || MODE >= 6;
       const int groups = (NKB + ks * U - 1) / (ks * U), ngroups = nchunks * groups;
       auto load_group = [&](int gi, uint4 (&ua)[U], uint4 (&ub)[U]) {
         const int kc0 = gi / groups * KC, kb0 = kp + gi % groups * U * ks;
 #pragma unroll
         for (int u = 0; u < U; u++) {
           const int kb = kb0 + u * ks;
-          const bool ok = active && gi < ngroups && kb < NKB;
+          const bool ok = LOADS && active && gi < ngroups && kb < NKB;
           ua[u] = ok ? ldg_w<true>(wa + kc0 + kb * 32 + 8 * t) : make_uint4(0, 0, 0, 0);
           ub[u] = ok ? ldg_w<true>(wb + kc0 + kb * 32 + 8 * t) : make_uint4(0, 0, 0, 0);
         }
       };
       uint4 ca[U], cb[U];
       load_group(0, ca, cb);
-      if (MODE <= 1) stage_x(x, K, 0, xbuf);
+      if (COPIES)
+        for (int c = 0; c < XD - 1 && c < nchunks; c++) stage_x(x, K, c, xbuf + c * NB * XS);
       for (int c = 0; c < nchunks; c++) {
-        if (MODE <= 2) {
-          cp_async_wait<0>();
+        if (COPIES || MODE == 2) {
+          if (XD == 3 && c + 1 < nchunks) cp_async_wait<1>();   // chunk c + 1 may stay in flight
+          else cp_async_wait<0>();
           __syncthreads();
         }
-        if (MODE <= 1 && c + 1 < nchunks) stage_x(x, K, c + 1, xbuf + (c + 1) % 2 * NB * XS);
-        const __nv_bfloat16* xc = MODE == 2 ? xbuf : xbuf + c % 2 * NB * XS;
+        if (COPIES && c + XD - 1 < nchunks) stage_x(x, K, c + XD - 1, xbuf + (c + XD - 1) % XD * NB * XS);
+        const __nv_bfloat16* xc = MODE == 2 ? xbuf : xbuf + c % XD * NB * XS;
         for (int gc = 0; gc < groups; gc++) {
           uint4 na[U], nb[U];
           load_group(c * groups + gc + 1, na, nb);
@@ -154,7 +164,7 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
               const int kb = kp + (gc * U + u) * ks;
               if (kb < NKB) {
                 if (MODE == 3) sink ^= ca[u].x ^ cb[u].y ^ ca[u].z ^ cb[u].w;
-                else mma_kblock(acc, ca[u], cb[u], xc, kb, g, t);
+                else if (MMAS) mma_kblock(acc, ca[u], cb[u], xc, kb, g, t);
               }
             }
           }
@@ -162,7 +172,7 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
           for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb[u]; }
         }
       }
-      if (MODE <= 2) __syncthreads();
+      if (MODE != 3) __syncthreads();
     } else if (MODE == 4) {
       // Per-thread ring: group i = k blocks kp + (i * U + u) * ks of the whole K (chunk by
       // chunk); slot i % D holds this lane's 2 U x 16 bytes.
@@ -267,7 +277,7 @@ template <int MODE>
 float run(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, size_t ny, int K, int nrows, int layers,
           size_t stride, int sms, unsigned* bar) {
   auto kern = probe<MODE>;
-  const int smem = 2 * XWORDS * 4 + (MODE == 5 ? RING_S * RING_ROWS * RING_STRIDE * 2 : MODE == 4 ? TRING_D * NTH * 2 * TRING_U * 16 : 0);
+  const int smem = xbufs(MODE) * XWORDS * 4 + (MODE == 5 ? RING_S * RING_ROWS * RING_STRIDE * 2 : MODE == 4 ? TRING_D * NTH * 2 * TRING_U * 16 : 0);
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
@@ -328,7 +338,8 @@ int main(int argc, char** argv) {
   cudaMemset(bar, 0, 8);
   printf("%d layers, %s, %d SMs, batch %d\n", layers, p.name, sms, NB);
   const char* names[] = {"megakernel (regs, U)", "regs, 2 U", "regs, no activation copies", "weight loads only",
-                         "per-thread cp.async ring", "block bulk-copy ring"};
+                         "per-thread cp.async ring", "block bulk-copy ring", "regs, 3 chunk buffers",
+                         "copies only, 2 buffers", "copies only, 3 buffers"};
   int bad = 0;
   for (const Shape& s : shapes) {
     const size_t stride = (size_t)sms * s.nrows * s.K, bytes = stride * 2, n = (size_t)NB * sms * s.nrows;
@@ -338,7 +349,7 @@ int main(int argc, char** argv) {
     for (int b = 0; b < NB; b++) cudaMemcpy(xh.data() + (size_t)b * s.K, x + (size_t)b * s.K, s.K * 2, cudaMemcpyDeviceToHost);
     for (int sync = 0; sync < 2; sync++) {
       unsigned* b = sync ? bar : nullptr;
-      for (int m = 0; m < 6; m++) {
+      for (int m = 0; m < 9; m++) {
         if (NT > 4 && (m == 4 || m == 5)) continue;   // their rings do not fit beside NT 16's chunks
         float t = 0;
         switch (m) {
@@ -348,6 +359,9 @@ int main(int argc, char** argv) {
           case 3: t = run<3>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 4: t = run<4>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 5: t = run<5>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
+          case 6: t = run<6>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
+          case 7: t = run<7>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
+          case 8: t = run<8>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
         }
         cudaMemcpy(out.data(), y, n * 4, cudaMemcpyDeviceToHost);
         double err = 0;
@@ -363,7 +377,7 @@ int main(int argc, char** argv) {
           printf("variant 0 vs float64: max rel err %.2e\n", err);
           if (err > 1e-3) bad = 1;
           err = 0;
-        } else if (m != 2 && m != 3) {   // 2 reads one fixed chunk, 3 computes nothing
+        } else if (m != 2 && m != 3 && m != 7 && m != 8) {   // 2 reads one fixed chunk, 3, 7, 8 compute nothing
           for (size_t i = 0; i < n; i++) err = std::max(err, (double)std::fabs(out[i] - ref[i]) / (1.0 + std::fabs(ref[i])));
           if (err > 1e-4) bad = 1;
         }
@@ -372,6 +386,17 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // Copies on fewer CTAs (gate_up's shape, no barrier): per-CTA activation GB/s and all CTAs' TB/s.
+  const Shape& s = shapes[0];
+  const size_t stride = (size_t)sms * s.nrows * s.K, xbytes = (size_t)NB * s.K * 2;
+  for (int grid : {sms, sms / 2, sms / 4})
+    for (int m : {0, 7, 8}) {
+      const float t = m == 0 ? run<0>(w, x, y, ny, s.K, s.nrows, layers, stride, grid, nullptr)
+                    : m == 7 ? run<7>(w, x, y, ny, s.K, s.nrows, layers, stride, grid, nullptr)
+                             : run<8>(w, x, y, ny, s.K, s.nrows, layers, stride, grid, nullptr);
+      printf("%-8s %3d CTAs %-28s %7.2f us  activations %6.1f GB/s per CTA, %5.2f TB/s in all\n", s.name, grid,
+             names[m], t, xbytes / (t * 1e-6) / 1e9, grid * xbytes / (t * 1e-6) / 1e12);
+    }
   unsigned timed_out = 0;
   cudaMemcpy(&timed_out, bar + 1, 4, cudaMemcpyDeviceToHost);
   cudaError_t e = cudaGetLastError();
