@@ -38,8 +38,17 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 #ifndef MMA_U_BIG
 #define MMA_U_BIG 2
 #endif
+// Activation chunk buffers with up to 8 n-tiles (experiment, 2 by default): MMA_XD - 1 chunks in
+// flight while one is computed, in chunks of 2 / MMA_XD the columns (the same shared memory).
+#ifndef MMA_XD
+#define MMA_XD 2
+#endif
 template <int NT>
-__host__ __device__ constexpr int mma_kc() { return MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX; }
+__host__ __device__ constexpr int mma_xd() { return NT <= 8 ? MMA_XD : 2; }
+template <int NT>
+__host__ __device__ constexpr int mma_kc() {
+  return (MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX) * 2 / mma_xd<NT>();
+}
 // One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
 constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
 constexpr int MMA_OUT_WORDS = isa::MMA_OUT_WORDS;    // staged outputs [nb][nrows], at most
@@ -103,7 +112,9 @@ template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
   constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
+  constexpr int XD = mma_xd<NT>();
   static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
+  static_assert(XD * NB * XS <= 4 * MMA_XWORDS, "the chunk buffers fit their shared memory");
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
   __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]
   float* part = sm + MMA_PASS;             // [NWARPS][NT][4][32], reuses the buffers after the K loop
@@ -112,8 +123,8 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
   const int row0 = threadIdx.x / (KC / 8), kk = threadIdx.x % (KC / 8) * 8;   // this thread's copies
   const __nv_bfloat16* xsrc = src.bf + (size_t)(b0 + row0) * src.ldx + kk;
   __nv_bfloat16* xdst = xbuf + row0 * XS + kk;
-  auto stage = [&](int c) {   // chunk c's activations into buffer c % 2
-    mma_stage<NT>(xsrc + c * KC, src.ldx, nb - row0, c * KC + kk < K, src.bf, xdst + c % 2 * NB * XS);
+  auto stage = [&](int c) {   // chunk c's activations into buffer c % XD
+    mma_stage<NT>(xsrc + c * KC, src.ldx, nb - row0, c * KC + kk < K, src.bf, xdst + c % XD * NB * XS);
   };
   for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
     const int mcount = min(NWARPS, mtiles - mt0), ks = NWARPS / mcount;
@@ -143,7 +154,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
     uint4 ca[U], cb[U];
     load_group(0, ca, cb);
-    stage(0);
+    for (int c = 0; c < XD - 1; c++) stage(c);
     if (src.nw && mt0 == 0) {   // row b's sum of squares: its residual tiles' partials in fixed
       // order; a warp's rows b = warp + r NWARPS load together (one round trip per 32 partials)
       constexpr int R = MMA_PASS / NWARPS;
@@ -162,11 +173,13 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     }
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
-      cp_async_wait_all();   // this thread's copies of chunk c
+      if constexpr (XD == 2) cp_async_wait_all();   // this thread's copies of chunk c
+      else cp_async_wait<XD - 2>();   // (one commit group per chunk, empty ones past the last)
       __syncthreads();   // everyone's copies of chunk c landed; chunk c - 1's buffer is no longer read
       if (c == 0 && mt0 == 0) prof_mark(a, 8);   // the first chunk's activations landed
-      if (c + 1 < nchunks) stage(c + 1);
-      const __nv_bfloat16* xc = xbuf + c % 2 * NB * XS;
+      if (c + XD - 1 < nchunks) stage(c + XD - 1);
+      else if constexpr (XD > 2) cp_async_commit();
+      const __nv_bfloat16* xc = xbuf + c % XD * NB * XS;
       for (int gc = 0; gc < groups; gc++) {
         uint4 na[U], nb2[U];
         load_group(c * groups + gc + 1, na, nb2);
@@ -189,6 +202,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
         for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
       }
     }
+    if constexpr (XD > 2) cp_async_wait_all();   // the zero-filled stages past a short K too
     __syncthreads();   // the chunk buffers are no longer read
     prof_mark(a, 9);   // the K loop's MMAs done (the last m-tile pass's)
     if (active)
