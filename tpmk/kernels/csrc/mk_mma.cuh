@@ -38,19 +38,21 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 #ifndef MMA_U_BIG
 #define MMA_U_BIG 2
 #endif
-// Activation chunk buffers with up to 8 n-tiles (experiment, 2 by default): MMA_XD - 1 chunks in
-// flight while one is computed, in chunks of 2 / MMA_XD the columns (the same shared memory).
+// One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
+constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
+// Activation chunk buffers (experiment, 2 by default): MMA_XD - 1 chunks in flight while one is
+// computed, in chunks of 2 / MMA_XD the columns, where they fit the two default buffers' words.
 #ifndef MMA_XD
 #define MMA_XD 2
 #endif
 template <int NT>
-__host__ __device__ constexpr int mma_xd() { return NT <= 8 ? MMA_XD : 2; }
+__host__ __device__ constexpr int mma_kc2() { return MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX; }
 template <int NT>
-__host__ __device__ constexpr int mma_kc() {
-  return (MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX) * 2 / mma_xd<NT>();
+__host__ __device__ constexpr int mma_xd() {
+  return MMA_XD * NT * 8 * (mma_kc2<NT>() * 2 / MMA_XD + 32) <= 4 * MMA_XWORDS ? MMA_XD : 2;
 }
-// One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
-constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
+template <int NT>
+__host__ __device__ constexpr int mma_kc() { return mma_kc2<NT>() * 2 / mma_xd<NT>(); }
 constexpr int MMA_OUT_WORDS = isa::MMA_OUT_WORDS;    // staged outputs [nb][nrows], at most
 constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
 static_assert(MMA_OUT_AT == isa::MMA_OUT_AT, "isa.MMA_OUT_AT (the host's layout) drifted");
