@@ -38,6 +38,15 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 #ifndef MMA_U_BIG
 #define MMA_U_BIG 2
 #endif
+// m-tiles per warp with NT >= 8 n-tiles (experiment, 1 by default): each B fragment read from
+// shared memory feeds MMA_MT m-tiles (at batch 128 the B reads, 16 n-tiles x 512 bytes per
+// warp per k block, bound the K loop), with MMA_U_MT k blocks per load group.
+#ifndef MMA_MT
+#define MMA_MT 1
+#endif
+#ifndef MMA_U_MT
+#define MMA_U_MT 1
+#endif
 // One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
 constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
 // Activation chunk buffers (experiment, 2 by default): MMA_XD - 1 chunks in flight while one is
@@ -113,15 +122,17 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
 template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
-  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32, U = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;
+  constexpr int MT = NT >= 8 ? MMA_MT : 1;   // m-tiles per warp
+  constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32;
+  constexpr int U = NT < 8 ? MMA_U_SMALL : MT > 1 ? MMA_U_MT : MMA_U_BIG;
   constexpr int XD = mma_xd<NT>();
-  static_assert(NWARPS * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
+  static_assert(NWARPS * MT * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
   static_assert(XD * NB * XS <= 4 * MMA_XWORDS, "the chunk buffers fit their shared memory");
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
   __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]
-  float* part = sm + MMA_PASS;             // [NWARPS][NT][4][32], reuses the buffers after the K loop
+  float* part = sm + MMA_PASS;             // [NWARPS][MT][NT][4][32], reuses the buffers after the K loop
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int mtiles = (nrows + 15) / 16, nchunks = (K + KC - 1) / KC;
+  const int mtiles = (nrows + 16 * MT - 1) / (16 * MT), nchunks = (K + KC - 1) / KC;   // units of MT m-tiles
   const int row0 = threadIdx.x / (KC / 8), kk = threadIdx.x % (KC / 8) * 8;   // this thread's copies
   const __nv_bfloat16* xsrc = src.bf + (size_t)(b0 + row0) * src.ldx + kk;
   __nv_bfloat16* xdst = xbuf + row0 * XS + kk;
@@ -130,31 +141,41 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
   };
   for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
     const int mcount = min(NWARPS, mtiles - mt0), ks = NWARPS / mcount;
-    const int mt = mt0 + warp / ks, kp = warp % ks, r0 = mt * 16;
+    const int mt = mt0 + warp / ks, kp = warp % ks, r0 = mt * 16 * MT;
     const bool active = warp / ks < mcount && r0 < nrows;
     const int groups = (NKB + ks * U - 1) / (ks * U);   // per chunk, the same for every warp
     const int ngroups = nchunks * groups;
-    const wtype* wa = row(min(r0 + g, nrows - 1));
-    const wtype* wb = row(min(r0 + g + 8, nrows - 1));
+    const wtype* wa[MT];
+    const wtype* wb[MT];
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+      wa[j] = row(min(r0 + 16 * j + g, nrows - 1));
+      wb[j] = row(min(r0 + 16 * j + g + 8, nrows - 1));
+    }
     // Group gi (chunk gi / groups): k blocks kp + (gi % groups * U + u) * ks of its chunk;
-    // zeros past the last group.
-    auto load_group = [&](int gi, uint4 (&ua)[U], uint4 (&ub)[U]) {
+    // zeros past the last group. Slot j * U + u: m-tile j's k block u.
+    auto load_group = [&](int gi, uint4 (&ua)[MT * U], uint4 (&ub)[MT * U]) {
       const int kc0 = gi / groups * KC, kb0 = kp + gi % groups * U * ks;
       const bool live = active && gi < ngroups;
 #pragma unroll
       for (int u = 0; u < U; u++) {
         const int kb = kb0 + u * ks, k = kc0 + kb * 32 + 8 * t;
         const bool ok = live && kb < NKB && k < K;
-        ua[u] = ok ? ldg_w<true>(wa + k) : make_uint4(0, 0, 0, 0);
-        ub[u] = ok ? ldg_w<true>(wb + k) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int j = 0; j < MT; j++) {
+          ua[j * U + u] = ok ? ldg_w<true>(wa[j] + k) : make_uint4(0, 0, 0, 0);
+          ub[j * U + u] = ok ? ldg_w<true>(wb[j] + k) : make_uint4(0, 0, 0, 0);
+        }
       }
     };
-    float acc[NT][4];
+    float acc[MT][NT][4];
 #pragma unroll
-    for (int n = 0; n < NT; n++)
+    for (int j = 0; j < MT; j++)
 #pragma unroll
-      for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
-    uint4 ca[U], cb[U];
+      for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[j][n][i] = 0.f;
+    uint4 ca[MT * U], cb[MT * U];
     load_group(0, ca, cb);
     for (int c = 0; c < XD - 1; c++) stage(c);
     if (src.nw && mt0 == 0) {   // row b's sum of squares: its residual tiles' partials in fixed
@@ -183,7 +204,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       else if constexpr (XD > 2) cp_async_commit();
       const __nv_bfloat16* xc = xbuf + c % XD * NB * XS;
       for (int gc = 0; gc < groups; gc++) {
-        uint4 na[U], nb2[U];
+        uint4 na[MT * U], nb2[MT * U];
         load_group(c * groups + gc + 1, na, nb2);
         if (active) {
 #pragma unroll
@@ -194,14 +215,18 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
               for (int n = 0; n < NT; n++) {
                 const int off = (n * 8 + g) * XS + kbu * 32 + 8 * t;
                 const uint4 bx = *reinterpret_cast<const uint4*>(xc + off);
-                mma_bf16(acc[n], ca[u].x, cb[u].x, ca[u].y, cb[u].y, bx.x, bx.y);
-                mma_bf16(acc[n], ca[u].z, cb[u].z, ca[u].w, cb[u].w, bx.z, bx.w);
+#pragma unroll
+                for (int j = 0; j < MT; j++) {
+                  const uint4 &A = ca[j * U + u], &B = cb[j * U + u];
+                  mma_bf16(acc[j][n], A.x, B.x, A.y, B.y, bx.x, bx.y);
+                  mma_bf16(acc[j][n], A.z, B.z, A.w, B.w, bx.z, bx.w);
+                }
               }
             }
           }
         }
 #pragma unroll
-        for (int u = 0; u < U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
+        for (int u = 0; u < MT * U; u++) { ca[u] = na[u]; cb[u] = nb2[u]; }
       }
     }
     if constexpr (XD > 2) cp_async_wait_all();   // the zero-filled stages past a short K too
@@ -209,9 +234,11 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     prof_mark(a, 9);   // the K loop's MMAs done (the last m-tile pass's)
     if (active)
 #pragma unroll
-      for (int n = 0; n < NT; n++)
+      for (int j = 0; j < MT; j++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) part[((warp * NT + n) * 4 + i) * 32 + lane] = acc[n][i];
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+          for (int i = 0; i < 4; i++) part[(((warp * MT + j) * NT + n) * 4 + i) * 32 + lane] = acc[j][n][i];
     __syncthreads();
     // The pass's m-tiles m (K part p of tile m: warp m ks + p), each output the fixed-order sum
     // of its K parts, times the RMSNorm scale.
@@ -220,12 +247,12 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     // Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
     // conflicts; with the batch row fastest, 8 lanes shared a bank) and its stores to outs hit 8
     // banks (32 lanes on one with nrows % 32 == 0).
-    for (int idx = threadIdx.x; idx < mcount * NT * 128; idx += NTHREADS) {
-      const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);
-      const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (mt0 + m) * 16 + r16;
+    for (int idx = threadIdx.x; idx < mcount * MT * NT * 128; idx += NTHREADS) {
+      const int ln = idx & 31, i = (idx >> 5) & 3, n = (idx >> 7) % NT, m = idx / (NT * 128);   // m-tile m of the pass
+      const int r16 = (i >> 1) * 8 + (ln >> 2), b = n * 8 + (ln & 3) * 2 + (i & 1), r = (mt0 * MT + m) * 16 + r16;
       if (r >= nrows || b >= nb) continue;
       float v = 0.f;
-      for (int p = 0; p < ks; p++) v += part[(((m * ks + p) * NT + n) * 4 + i) * 32 + ln];
+      for (int p = 0; p < ks; p++) v += part[((((m / MT * ks + p) * MT + m % MT) * NT + n) * 4 + i) * 32 + ln];
       if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
       outs[b * nrows + r] = v;
     }
