@@ -4,10 +4,11 @@
 // activations, so the bytes stream while the SM would otherwise idle at the
 // dependency; the matvec then reads them from L2. Attention's KV pages are not
 // asked for: that was slower (ctx 4096, batch 1 / 32 / 128: 12.05 / 19.07 / 45.12 ms
-// with, 11.68 / 18.51 / 43.93 without; H200, 2026-12-04).
+// with, 11.68 / 18.51 / 43.93 without; H200, 2026-12-04), nor the op's RMSNorm weights, which
+// every SM of a stage reads (batch 1 / 8 / 32 at ctx 1024: 9.04 / 10.36 / 14.66 ms with, 9.00 /
+// 10.20 / 14.55 without; H100, 2026-12-07).
 #pragma once
 #include "mk_common.cuh"
-#include "ops/residual.cuh"   // next_norm
 
 // Bytes per instruction. More was slower: batch 1 / 32 / 128 at ctx 1024 took 11.46 / 16.41 /
 // 34.86 ms with 96 KB, 11.69 / 16.73 / 35.97 with 128 KB, and 12.08 / 17.56 / 36.54 with
@@ -31,19 +32,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long by
 }
 
 __device__ void prefetch_instruction(const KernelArgs& a, const int* ins) {
-#ifdef MK_PREFETCH_NORM
-  {   // the RMSNorm weights the op reads (every SM of its stage the same ones; they left L2 since
-    // the last step): qkv / gate_up / lm_head scale their inputs by them below the tensor-core
-    // batches, a residual tile writes its columns of x times them at those batches
-    const int op = ins[isa::F_OP], l = ins[isa::F_LAYER];
-    const size_t H = a.hidden;
-    if (op == isa::OP_QKV) prefetch_l2(reinterpret_cast<const wtype*>(a.input_norm) + l * H, H * sizeof(wtype));
-    if (op == isa::OP_GATE_UP) prefetch_l2(reinterpret_cast<const wtype*>(a.post_norm) + l * H, H * sizeof(wtype));
-    if (op == isa::OP_LM_HEAD) prefetch_l2(reinterpret_cast<const wtype*>(a.final_norm), H * sizeof(wtype));
-    if (op == isa::OP_RESIDUAL)
-      prefetch_l2(next_norm(a, ins[isa::F_ARG0]) + ins[isa::F_ROW0], ins[isa::F_NROWS] * sizeof(wtype));
-  }
-#endif
   Tile t;
   if (!linear_tile(a, ins, ins[isa::F_OP], t)) return;
   // The start of each of the tile's (at most two) row blocks.
