@@ -148,15 +148,16 @@ def with_lm_head(shards: list[RankWeights], cfg: ModelConfig, w: torch.Tensor) -
                                 .contiguous()) for s in shards]
 
 
-def compile_or_skip(dtype: str, cache_dir) -> bytes:
-    """The megakernel's sm_90a cubin of `dtype` ("bfloat16" | "float32"), compiled on this
-    machine by NVRTC (no GPU needed) into cache_dir; skips where NVRTC is not installed."""
+def compile_or_skip(dtype: str, cache_dir, defines: tuple[str, ...] = ()) -> bytes:
+    """The megakernel's sm_90a cubin of `dtype` ("bfloat16" | "float32") with kernel macros
+    `defines`, compiled on this machine by NVRTC (no GPU needed) into cache_dir; skips where
+    NVRTC is not installed."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from tpmk.kernels.megakernel import compile_megakernel
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TPMK_CACHE", str(cache_dir))
         try:
-            return compile_megakernel(getattr(torch, dtype))
+            return compile_megakernel(getattr(torch, dtype), defines=defines)
         except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine
             if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
                 pytest.skip(f"NVRTC library not installed: {e}")

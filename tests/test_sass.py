@@ -1,7 +1,7 @@
 """tpmk.kernels.sass: the compiled kernel read on the CPU. The hot loops stay free of
 register spills: attention as a whole (its per-thread K/V loads once spilled, and every
 token then waited for its own round trip) and the matvecs' weight-load and multiply lines,
-in the bf16 and the f32 build."""
+in the bf16 and the f32 build, and in a build of the tensor-core matvec's experiments."""
 import pytest
 
 from _mk_helpers import compile_or_skip
@@ -21,7 +21,7 @@ SNIPPET = '''
 # Inner-loop lines, found by their text (a rewrite that drops one fails the test).
 HOT_LINES = {
     "mk_common.cuh": ["u[i][j] = k < m.kend ? ldg_w(", "acc[j][b] += f[e] * xv[e]"],   # CUDA-core matvec
-    "mk_mma.cuh": ["const uint4 bx = ", "asm(\"mma.sync.aligned", "ua[u] = ok ? ldg_w<true>("],   # tensor cores (bf16)
+    "mk_mma.cuh": ["const uint4 bx = ", "asm(\"mma.sync.aligned", "ua[j * U + u] = ok ? ldg_w<true>("],   # tensor cores (bf16)
 }
 
 
@@ -30,15 +30,21 @@ def test_spills_are_counted_per_source_line():
     assert sass.spills_by_line(SNIPPET) == {("attention.cuh", 12): 1, ("mk_common.cuh", 7): 2}
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+# The default builds, and the tensor-core matvec's experiments (mk_mma.cuh: two m-tiles per
+# warp at 8+ n-tiles, four activation chunk buffers) so that they keep compiling spill-free.
+BUILDS = [("bfloat16", ()), ("float32", ()), ("bfloat16", ("MMA_MT=2", "MMA_XD=4"))]
+
+
+@pytest.fixture(scope="module", params=BUILDS, ids=lambda b: "-".join((b[0],) + b[1]))
 def compiled(request, tmp_path_factory):
     """(dtype, SASS text with line info) of the whole megakernel."""
     try:
         sass.nvdisasm_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    cubin = compile_or_skip(request.param, tmp_path_factory.mktemp("cubin"))
-    return request.param, sass.disassemble(cubin)
+    dtype, defines = request.param
+    cubin = compile_or_skip(dtype, tmp_path_factory.mktemp("cubin"), defines)
+    return dtype, sass.disassemble(cubin)
 
 
 def test_attention_has_no_register_spills(compiled):

@@ -38,9 +38,12 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 #ifndef MMA_U_BIG
 #define MMA_U_BIG 2
 #endif
-// m-tiles per warp with NT >= 8 n-tiles (experiment, 1 by default): each B fragment read from
-// shared memory feeds MMA_MT m-tiles (at batch 128 the B reads, 16 n-tiles x 512 bytes per
-// warp per k block, bound the K loop), with MMA_U_MT k blocks per load group.
+// m-tiles per warp with NT >= 8 n-tiles (experiment, 1 by default; unmeasured): each B fragment
+// read from shared memory feeds MMA_MT m-tiles (at batch 128 the B reads, 16 n-tiles x 512
+// bytes per warp per k block, bound the K loop: bench/mma_probe.cu), with MMA_U_MT k blocks per
+// load group. gate_up's 112-row tiles then keep all 8 warps busy (4 units of 2 m-tiles x 2 K
+// parts) instead of 7 of them. MMA_MT 2: 10 spills (6 more, in residual's batch-1 loop); with
+// MMA_U_MT 2: 99.
 #ifndef MMA_MT
 #define MMA_MT 1
 #endif
@@ -51,6 +54,9 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
 // Activation chunk buffers (experiment, 2 by default): MMA_XD - 1 chunks in flight while one is
 // computed, in chunks of 2 / MMA_XD the columns, where they fit the two default buffers' words.
+// H100, ctx 1024, one call (2026-12-07): batch 8 / 32 in 10.05 / 14.17 ms with 4 and 10.82 /
+// 14.74 with 8, against 10.20 / 14.55 with 2; batch 1 (not touched) moved by as much in that call,
+// so 4 needs a repeat. The K loop is bound by the weights, not the copies (bench/mma_probe.cu).
 #ifndef MMA_XD
 #define MMA_XD 2
 #endif
