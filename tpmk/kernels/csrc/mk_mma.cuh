@@ -41,8 +41,8 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 // m-tiles per warp with NT >= 8 n-tiles (experiment, 1 by default; unmeasured): each B fragment
 // read from shared memory feeds MMA_MT m-tiles (at batch 128 the B reads, 16 n-tiles x 512
 // bytes per warp per k block, bound the K loop: bench/mma_probe.cu), with MMA_U_MT k blocks per
-// load group. gate_up's 112-row tiles then keep all 8 warps busy (4 units of 2 m-tiles x 2 K
-// parts) instead of 7 of them. MMA_MT 2: 10 spills (6 more, in residual's batch-1 loop); with
+// load group: a 56-row gate_up tile at batch 128 reads 4 MB of B per SM instead of 8, and each
+// B read feeds 4 independent MMAs. MMA_MT 2: 10 spills (6 more, in residual's batch-1 loop); with
 // MMA_U_MT 2: 99.
 #ifndef MMA_MT
 #define MMA_MT 1
