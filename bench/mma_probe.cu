@@ -15,6 +15,9 @@
 //   6 variant 0 with three activation chunk buffers (two chunks in flight instead of one)
 //   7 the activation copies alone, two buffers (one chunk in flight, as in variant 0)
 //   8 the activation copies alone, three buffers
+//   9 the megakernel's own matvec_mma_nt (mk_mma.cuh), its knobs as built: -DMMA_MT=2, -DMMA_XD=4
+//     ... time the kernel's code itself (its fixed-order K-part sums, its epilogue into shared
+//     memory), so a knob can be measured here before the megakernel's sweep
 // Variants 7 and 8 also run on fewer CTAs (66, 33): whether an SM's copies are limited by its
 // own bytes in flight (same time per CTA) or by L2 as a whole (faster with fewer CTAs).
 // Variants 4 and 5 run at NT 4 only (their rings and NT 16's chunk buffers exceed shared memory).
@@ -88,6 +91,7 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, int K, int c, __
 }
 
 __host__ __device__ constexpr int xbufs(int mode) { return mode == 6 || mode == 8 ? 3 : 2; }
+__device__ KernelArgs probe_args;   // variant 9's (zero: no profile, no norm)
 
 template <int MODE>
 __global__ void __launch_bounds__(NTH, 1)
@@ -218,7 +222,7 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
       }
       cp_async_wait<0>();
       __syncthreads();
-    } else {
+    } else if (MODE == 5) {
       // Block ring: stage j = columns [j RING_K, (j + 1) RING_K) of all rows; warp 0 refills a slot
       // once every warp has arrived on its empty barrier.
       constexpr int KB_PER = RING_K / 32, PER_CHUNK = KC / RING_K;
@@ -259,8 +263,16 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
       }
       ring_it = base + nstages;
       __syncthreads();
+    } else {   // 9: the megakernel's matvec_mma_nt itself (with its knobs, e.g. -DMMA_MT=2)
+      const XSrc src{nullptr, K, nullptr, x, nullptr, 0};   // bf16 activations [NB][K], no norm
+      float* outs = sm + MMA_OUT_AT;                          // [NB][nrows], as linear() places them
+      matvec_mma_nt<NT>(probe_args, K, 0, NB, nrows, src, RowMap{W, W, nrows, K}, outs, sm);
+      if (l == layers - 1)
+        for (int i = threadIdx.x; i < NB * nrows; i += NTH)
+          y[(size_t)(i / nrows) * gridDim.x * nrows + blockIdx.x * nrows + i % nrows] = outs[i];
+      __syncthreads();   // outs is read before the next layer's chunks land under it
     }
-    if (l == layers - 1 && active) {   // C fragment: rows g / g + 8, batch rows 2t, 2t + 1 of each n-tile
+    if (MODE != 9 && l == layers - 1 && active) {   // C fragment: rows g / g + 8, batch rows 2t, 2t + 1 of each n-tile
 #pragma unroll
       for (int n = 0; n < NT; n++)
 #pragma unroll
@@ -277,7 +289,7 @@ template <int MODE>
 float run(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, size_t ny, int K, int nrows, int layers,
           size_t stride, int sms, unsigned* bar) {
   auto kern = probe<MODE>;
-  const int smem = xbufs(MODE) * XWORDS * 4 + (MODE == 5 ? RING_S * RING_ROWS * RING_STRIDE * 2 : MODE == 4 ? TRING_D * NTH * 2 * TRING_U * 16 : 0);
+  const int smem = MODE == 9 ? (MMA_OUT_AT + NB * 62) * 4 : xbufs(MODE) * XWORDS * 4 + (MODE == 5 ? RING_S * RING_ROWS * RING_STRIDE * 2 : MODE == 4 ? TRING_D * NTH * 2 * TRING_U * 16 : 0);
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
@@ -339,7 +351,8 @@ int main(int argc, char** argv) {
   printf("%d layers, %s, %d SMs, batch %d\n", layers, p.name, sms, NB);
   const char* names[] = {"megakernel (regs, U)", "regs, 2 U", "regs, no activation copies", "weight loads only",
                          "per-thread cp.async ring", "block bulk-copy ring", "regs, 3 chunk buffers",
-                         "copies only, 2 buffers", "copies only, 3 buffers"};
+                         "copies only, 2 buffers", "copies only, 3 buffers",
+                         "the kernel's matvec_mma_nt"};
   int bad = 0;
   for (const Shape& s : shapes) {
     const size_t stride = (size_t)sms * s.nrows * s.K, bytes = stride * 2, n = (size_t)NB * sms * s.nrows;
@@ -349,7 +362,7 @@ int main(int argc, char** argv) {
     for (int b = 0; b < NB; b++) cudaMemcpy(xh.data() + (size_t)b * s.K, x + (size_t)b * s.K, s.K * 2, cudaMemcpyDeviceToHost);
     for (int sync = 0; sync < 2; sync++) {
       unsigned* b = sync ? bar : nullptr;
-      for (int m = 0; m < 9; m++) {
+      for (int m = 0; m < 10; m++) {
         if (NT > 4 && (m == 4 || m == 5)) continue;   // their rings do not fit beside NT 16's chunks
         float t = 0;
         switch (m) {
@@ -362,6 +375,7 @@ int main(int argc, char** argv) {
           case 6: t = run<6>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 7: t = run<7>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
           case 8: t = run<8>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
+          case 9: t = run<9>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
         }
         cudaMemcpy(out.data(), y, n * 4, cudaMemcpyDeviceToHost);
         double err = 0;
