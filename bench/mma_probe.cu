@@ -331,7 +331,10 @@ __global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed) {   // values in
 
 int main(int argc, char** argv) {
   cudaDeviceProp p;
-  cudaGetDeviceProperties(&p, 0);
+  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) {
+    printf("no CUDA device: %s\n", cudaGetErrorString(cudaGetLastError()));
+    return 1;
+  }
   const int sms = p.multiProcessorCount;
   const int layers = argc > 1 ? atoi(argv[1]) : 12;
   struct Shape { const char* name; int nrows, K; };
