@@ -135,7 +135,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
   static_assert(NWARPS * MT * NT * 4 * 32 <= 2 * MMA_XWORDS, "the split-K partials fit in the chunk buffers");
   static_assert(XD * NB * XS <= 4 * MMA_XWORDS, "the chunk buffers fit their shared memory");
   float* ss = sm;                          // [NB] sums of squares of the rows (with src.nw)
-  __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // 2 x [NB][XS]
+  __nv_bfloat16* xbuf = reinterpret_cast<__nv_bfloat16*>(sm + MMA_PASS);   // XD x [NB][XS]
   float* part = sm + MMA_PASS;             // [NWARPS][MT][NT][4][32], reuses the buffers after the K loop
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int mtiles = (nrows + 16 * MT - 1) / (16 * MT), nchunks = (K + KC - 1) / KC;   // units of MT m-tiles
@@ -246,8 +246,8 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
           for (int i = 0; i < 4; i++) part[(((warp * MT + j) * NT + n) * 4 + i) * 32 + lane] = acc[j][n][i];
     __syncthreads();
-    // The pass's m-tiles m (K part p of tile m: warp m ks + p), each output the fixed-order sum
-    // of its K parts, times the RMSNorm scale.
+    // The pass's m-tiles m (K part p of tile m: warp m / MT ks + p, its m-tile m % MT), each
+    // output the fixed-order sum of its K parts, times the RMSNorm scale.
     // C fragment: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols), so lane
     // ln's acc[n][i] is row 8 (i / 2) + ln / 4 of the m-tile, batch row 8 n + 2 (ln % 4) + i % 2.
     // Threads walk (m, n, i, ln) with ln fastest: a warp reads 32 consecutive partials (no bank
