@@ -289,7 +289,7 @@ template <int MODE>
 float run(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, size_t ny, int K, int nrows, int layers,
           size_t stride, int sms, unsigned* bar) {
   auto kern = probe<MODE>;
-  const int smem = MODE == 9 ? (MMA_OUT_AT + NB * 62) * 4 : xbufs(MODE) * XWORDS * 4 + (MODE == 5 ? RING_S * RING_ROWS * RING_STRIDE * 2 : MODE == 4 ? TRING_D * NTH * 2 * TRING_U * 16 : 0);
+  const int smem = MODE == 9 ? (MMA_OUT_AT + NB * nrows) * 4 : xbufs(MODE) * XWORDS * 4 + (MODE == 5 ? RING_S * RING_ROWS * RING_STRIDE * 2 : MODE == 4 ? TRING_D * NTH * 2 * TRING_U * 16 : 0);
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);

@@ -60,7 +60,7 @@ constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
 #ifndef MMA_XD
 #define MMA_XD 2
 #endif
-template <int NT>
+template <int NT>   // the K chunk with two buffers
 __host__ __device__ constexpr int mma_kc2() { return MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX; }
 template <int NT>
 __host__ __device__ constexpr int mma_xd() {
@@ -120,11 +120,11 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
 }
 
 // outs[b * nrows + r] = sum_k W[row(r)][k] * xin(b0 + b, k), b < nb <= MMA_PASS (fused norm when src.nw).
-// NT n-tiles of 8 batch rows; warps take (m-tile of 16 rows, K part); K parts interleave the
-// 32-wide k blocks of each chunk and are summed in fixed order, as are the RMSNorm partials.
+// NT n-tiles of 8 batch rows; warps take (MT m-tiles of 16 rows, K part); K parts interleave
+// the 32-wide k blocks of each chunk and are summed in fixed order, as are the RMSNorm partials.
 // Pipelined: a warp's weight loads run one group of U k blocks ahead of its MMAs, across chunk
-// boundaries (weights never wait for activations), and the next chunk's inputs are in flight
-// (cp.async into the other buffer) while this chunk's MMAs run: one barrier per chunk.
+// boundaries (weights never wait for activations), and the next XD - 1 chunks' inputs are in
+// flight (cp.async into the other buffers) while this chunk's MMAs run: one barrier per chunk.
 template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
