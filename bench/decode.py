@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--define", nargs="*", default=[], metavar="NAME=VALUE",
+    ap.add_argument("--define", nargs="*", action="extend", default=[], metavar="NAME=VALUE",
                     help="extra megakernel macros for tuning experiments, e.g. PREFETCH_CAP=393216")
     ap.add_argument("--splits", type=int, default=0,
                     help="attention splits per (sequence, kv head); 0: the scheduler's choice")

@@ -15,7 +15,7 @@
 //   6 variant 0 with three activation chunk buffers (two chunks in flight instead of one)
 //   7 the activation copies alone, two buffers (one chunk in flight, as in variant 0)
 //   8 the activation copies alone, three buffers
-//   9 the megakernel's own matvec_mma_nt (mk_mma.cuh), its knobs as built: -DMMA_MT=2, -DMMA_XD=4
+//   9 the megakernel's own matvec_mma_nt (mk_mma.cuh), its knobs as built (e.g. -DMMA_MT=1 -DMMA_XD=2)
 //     ... time the kernel's code itself (its fixed-order K-part sums, its epilogue into shared
 //     memory), so a knob can be measured here before the megakernel's sweep
 // Variants 7 and 8 also run on fewer CTAs (66, 33): whether an SM's copies are limited by its
@@ -38,7 +38,9 @@
 #ifndef PROBE_NT
 #define PROBE_NT 4
 #endif
-constexpr int NT = PROBE_NT, NB = NT * 8, NTH = NTHREADS, NW = NWARPS, KC = mma_kc<NT>(), XS = KC + 32, NKB = KC / 32;
+// Variants 0-8: the two-buffer chunk (mma_kc2), as the megakernel had before MMA_XD 4; variant 9
+// takes the kernel's own (mma_kc).
+constexpr int NT = PROBE_NT, NB = NT * 8, NTH = NTHREADS, NW = NWARPS, KC = mma_kc2<NT>(), XS = KC + 32, NKB = KC / 32;
 constexpr int U0 = NT >= 8 ? MMA_U_BIG : MMA_U_SMALL;   // the megakernel's k blocks per load group
 static_assert(NTH == 256, "the megakernel's geometry");
 constexpr int XWORDS = NB * XS / 2;                  // one activation chunk buffer, f32 words
@@ -133,7 +135,7 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
     const __nv_bfloat16* wa = W + (size_t)min(mt * 16 + g, nrows - 1) * K;
     const __nv_bfloat16* wb = W + (size_t)min(mt * 16 + g + 8, nrows - 1) * K;
     float acc[NT][4] = {};
-    if (MODE <= 3 || MODE >= 6) {
+    if (MODE <= 3 || (MODE >= 6 && MODE <= 8)) {
       constexpr int U = MODE == 1 ? 2 * U0 : U0, XD = xbufs(MODE);
       constexpr bool LOADS = MODE <= 3 || MODE == 6, MMAS = MODE <= 2 || MODE == 6, COPIES = MODE <= 1 || MODE >= 6;
       const int groups = (NKB + ks * U - 1) / (ks * U), ngroups = nchunks * groups;
@@ -302,6 +304,10 @@ float run(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, size_t ny, i
     kern<<<sms, NTH, smem>>>(w, x, y, K, nrows, layers, stride, bar);
     cudaEventRecord(e1);
     cudaEventSynchronize(e1);
+    if (cudaError_t e = cudaGetLastError()) {   // a launch that did not run: no time, not a fast one
+      printf("variant %d: %s\n", MODE, cudaGetErrorString(e));
+      exit(1);
+    }
     float ms;
     cudaEventElapsedTime(&ms, e0, e1);
     if (r) ts.push_back(ms);   // the first run warms up

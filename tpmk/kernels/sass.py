@@ -62,7 +62,8 @@ def main() -> None:
     from tpmk.kernels.megakernel import compile_megakernel
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--f32", action="store_true", help="the float32 build (MK_FLOAT32)")
-    ap.add_argument("--define", nargs="*", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--define", nargs="*", action="extend", default=[], metavar="NAME=VALUE",
+                    help="kernel macros; repeatable (--define A=1 --define B=2 or --define A=1 B=2)")
     ap.add_argument("--top", type=int, default=20, help="source lines to list")
     args = ap.parse_args()
     cubin = compile_megakernel(torch.float32 if args.f32 else torch.bfloat16, defines=tuple(args.define))

@@ -45,10 +45,10 @@ __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, co
   if (!mma) {   // a thread per float4, every rank's partial (+ x) in one round trip
     for (int idx = threadIdx.x; idx < batch * n4; idx += NTHREADS) {
       const size_t off = (size_t)(idx / n4) * a.hidden + c0 + 4 * (idx % n4);
-      float4 v[isa::MAX_TP];
+      float4 v[isa::MAX_TP];   // every slot written: no value of v carried across iterations
 #pragma unroll
       for (int r = 0; r < isa::MAX_TP; r++)
-        if (r < a.tp) v[r] = __ldcg(reinterpret_cast<const float4*>(slots + r * plane + off));
+        v[r] = r < a.tp ? __ldcg(reinterpret_cast<const float4*>(slots + r * plane + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
       finish(off, v, 1, set ? make_float4(0.f, 0.f, 0.f, 0.f) : __ldcg(reinterpret_cast<const float4*>(x + off)));
     }
     return;
