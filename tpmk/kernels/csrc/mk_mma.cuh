@@ -46,8 +46,9 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 // both): batch 64 / 96 / 128 in 20.17 / 28.37 / 31.44 ms against 20.41-20.92 / 29.99-30.07 /
 // 32.46-32.63 with 1 (ctx 4096, batch 128: 41.05-41.22 vs 43.33); MMA_MT 2 alone at batch 64
 // (NT 8, two chunk buffers): 21.33-21.40. Batch 1-32 do not run it, but batch 1 took 9.00 / 8.98
-// against 8.90 / 8.85 with MMA_MT 1 (same call): ptxas schedules the dispatch loop and
-// residual's batch-1 loop differently (same spill count). MMA_U_MT 2: 99 spills.
+// against 8.90 / 8.85 with MMA_MT 1 (same call): MMA_MT 2 spilled 6 registers in residual's
+// batch-1 loop (since fixed there; its 12 spills are now all in the dispatch loop, 0 with
+// MMA_MT 1). MMA_U_MT 2: 99 spills.
 #ifndef MMA_MT
 #define MMA_MT 2
 #endif
