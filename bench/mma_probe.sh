@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/mma_probe.cu in one device call: every argument is one build's nvcc flags (e.g.
-# "-DPROBE_NT=16" "-DPROBE_NT=16 -DMMA_MT=2"); all builds compile in parallel, then each runs
+# "-DPROBE_NT=16" "-DPROBE_NT=16 -DMMA_MT=1"); all builds compile in parallel, then each runs
 # alone on the GPU. PROBE_LAYERS: layers per run (default 12); PROBE_GREP: an egrep filter on
 # the printed rows (default: all).
 set -u
