@@ -265,7 +265,7 @@ probe(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, 
       }
       ring_it = base + nstages;
       __syncthreads();
-    } else {   // 9: the megakernel's matvec_mma_nt itself (with its knobs, e.g. -DMMA_MT=2)
+    } else {   // 9: the megakernel's matvec_mma_nt itself (with its knobs, e.g. -DMMA_MT=1)
       const XSrc src{nullptr, K, nullptr, x, nullptr, 0};   // bf16 activations [NB][K], no norm
       float* outs = sm + MMA_OUT_AT;                          // [NB][nrows], as linear() places them
       matvec_mma_nt<NT>(probe_args, K, 0, NB, nrows, src, RowMap{W, W, nrows, K}, outs, sm);
@@ -316,6 +316,25 @@ float run(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, size_t ny, i
   cudaEventDestroy(e1);
   std::sort(ts.begin(), ts.end());
   return ts[ts.size() / 2] * 1000.f / layers;   // us per layer
+}
+
+// Variant m (chosen at run time) timed on sms CTAs: run<m>.
+float run_variant(int m, const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, size_t ny, int K, int nrows,
+                  int layers, size_t stride, int sms, unsigned* bar) {
+  switch (m) {
+    case 0: return run<0>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+    case 1: return run<1>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+    case 2: return run<2>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+    case 3: return run<3>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+    case 4: return run<4>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+    case 5: return run<5>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+    case 6: return run<6>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+    case 7: return run<7>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+    case 8: return run<8>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+    case 9: return run<9>(w, x, y, ny, K, nrows, layers, stride, sms, bar);
+  }
+  printf("no variant %d\n", m);
+  exit(1);
 }
 
 static float bf2f(__nv_bfloat16 v) {
@@ -373,19 +392,7 @@ int main(int argc, char** argv) {
       unsigned* b = sync ? bar : nullptr;
       for (int m = 0; m < 10; m++) {
         if (NT > 4 && (m == 4 || m == 5)) continue;   // their rings do not fit beside NT 16's chunks
-        float t = 0;
-        switch (m) {
-          case 0: t = run<0>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 1: t = run<1>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 2: t = run<2>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 3: t = run<3>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 4: t = run<4>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 5: t = run<5>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 6: t = run<6>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 7: t = run<7>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 8: t = run<8>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-          case 9: t = run<9>(w, x, y, ny, s.K, s.nrows, layers, stride, sms, b); break;
-        }
+        const float t = run_variant(m, w, x, y, ny, s.K, s.nrows, layers, stride, sms, b);
         cudaMemcpy(out.data(), y, n * 4, cudaMemcpyDeviceToHost);
         double err = 0;
         if (m == 0 && sync == 0) {
@@ -414,9 +421,7 @@ int main(int argc, char** argv) {
   const size_t stride = (size_t)sms * s.nrows * s.K, xbytes = (size_t)NB * s.K * 2;
   for (int grid : {sms, sms / 2, sms / 4})
     for (int m : {0, 7, 8}) {
-      const float t = m == 0 ? run<0>(w, x, y, ny, s.K, s.nrows, layers, stride, grid, nullptr)
-                    : m == 7 ? run<7>(w, x, y, ny, s.K, s.nrows, layers, stride, grid, nullptr)
-                             : run<8>(w, x, y, ny, s.K, s.nrows, layers, stride, grid, nullptr);
+      const float t = run_variant(m, w, x, y, ny, s.K, s.nrows, layers, stride, grid, nullptr);
       printf("%-8s %3d CTAs %-28s %7.2f us  activations %6.1f GB/s per CTA, %5.2f TB/s in all\n", s.name, grid,
              names[m], t, xbytes / (t * 1e-6) / 1e9, grid * xbytes / (t * 1e-6) / 1e12);
     }

@@ -65,6 +65,7 @@ def test_matvec_inner_loops_have_no_register_spills(compiled):
         if name == "mk_mma.cuh" and dtype == "float32":
             continue   # the tensor-core path is bf16 only
         src = (CSRC / name).read_text().splitlines()
+        base = name.rsplit("/", 1)[-1]   # spills_by_line keys by file name
         for marker in markers:
             starts = [i for i, s in enumerate(src) if marker in s]
             assert starts, f"{name}: no line contains {marker!r} (update HOT_LINES)"
@@ -73,6 +74,5 @@ def test_matvec_inner_loops_have_no_register_spills(compiled):
                 end = next(j for j in range(i, len(src)) if src[j].rstrip().endswith(";"))
                 lines += range(i + 1, end + 2)
             assert any(f'{name}", line {n}' in text for n in lines), f"{name}:{lines} not in the SASS"
-            base = name.rsplit("/", 1)[-1]   # spills_by_line keys by file name
             hot = {n: spills[(base, n)] for n in lines if spills[(base, n)]}
             assert not hot, f"register spills on {name} lines {hot} ({marker!r}, {dtype})"
