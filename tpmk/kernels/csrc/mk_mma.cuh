@@ -38,41 +38,40 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 #ifndef MMA_U_BIG
 #define MMA_U_BIG 2
 #endif
-// m-tiles per warp with NT >= MMA_MT_FROM n-tiles (2 by default, from 16 n-tiles, batch >= 65):
+// m-tiles per warp with NT >= MMA_MT_FROM n-tiles (2 by default, from 8 n-tiles, batch >= 33):
 // each B fragment read from shared memory feeds MMA_MT m-tiles (at batch 128 the B reads, 16
 // n-tiles x 512 bytes per warp per k block, bound the K loop: bench/mma_probe.cu), with
 // MMA_U_MT k blocks per load group: a 56-row gate_up tile at batch 128 reads 4 MB of B per SM
 // instead of 8, and each B read feeds 4 independent MMAs. H100, ctx 1024, 2026-12-07, each
 // variant twice per call, ms: batch 64 / 96 / 128 in 21.33-21.40 / 28.34-28.46 / 31.46-31.55
 // with MMA_MT 2 from NT 8 against 20.41-20.92 / 29.99-30.07 / 32.46-32.63 with 1 (ctx 4096,
-// batch 128: 41.17-41.22 vs 43.33); the 39 megakernel GPU tests, memcheck and racecheck
-// passed with it. With MMA_XD 4 too: 20.16-20.18 / 28.33-28.42 / 31.43-31.54, so NT 8 gains
-// with four chunk buffers only (MMA_MT_FROM=8 MMA_XD=4: the next default once its GPU tests
-// have run; no device time was left for them). Batch 1 took 9.00 / 8.98 ms with MMA_MT 2 XD 4
-// against 8.90 / 8.85 with 1 (same call): MMA_MT 2 spilled 6 registers in residual's batch-1
-// loop (since fixed there; the 12 spills left are in the dispatch loop). MMA_U_MT 2: 99 spills.
-// MMA_MT 4 does not fit NT 16's split-K partials (static_assert below).
+// batch 128: 41.17-41.22 vs 43.33). With MMA_XD 4 too: 20.16-20.18 / 28.33-28.42 / 31.43-31.54,
+// so NT 8 gains with four chunk buffers only. H200, ctx 1024, 2026-12-07, same call, MMA_MT_FROM
+// 8 + MMA_XD 4 against MMA_MT_FROM 16 + MMA_XD 2, batch 1 / 8 / 32 / 64 / 128: 7.63 / 7.65,
+// 8.82 / 8.97, 12.94 / 12.99, 19.93 / 20.03, 30.32 / 30.31 against 7.62 / 7.61, 8.99 / 9.13,
+// 13.28 / 13.26, 20.14 / 20.06, 30.31 / 30.52; the 39 megakernel GPU tests, memcheck and
+// racecheck passed with it (and with MMA_MT 2 from NT 16, XD 2, on an H100). MMA_U_MT 2: 99
+// spills. MMA_MT 4 does not fit NT 16's split-K partials (static_assert below).
 #ifndef MMA_MT
 #define MMA_MT 2
 #endif
 #ifndef MMA_MT_FROM
-#define MMA_MT_FROM 16
+#define MMA_MT_FROM 8
 #endif
 #ifndef MMA_U_MT
 #define MMA_U_MT 1
 #endif
 // One chunk buffer: NT*8 rows x (KC + 32) bf16 in f32 words, the most at NT = MMA_PASS / 8.
 constexpr int MMA_XWORDS = MMA_PASS * (MMA_KC1 * 8 / MMA_PASS + 32) / 2;
-// Activation chunk buffers (2 by default): MMA_XD - 1 chunks in flight while one is computed,
-// in chunks of 2 / MMA_XD the columns, where they fit the two default buffers' words (NT <= 8;
+// Activation chunk buffers (4 by default): MMA_XD - 1 chunks in flight while one is computed,
+// in chunks of 2 / MMA_XD the columns, where they fit the two-buffer layout's words (NT <= 8;
 // NT 16 keeps 2). H100, ctx 1024, 2026-12-07, one call, each variant twice: batch 1 / 8 / 32 in
 // 8.90 / 8.85, 10.13 / 10.07, 13.94 / 13.77 ms with 4 against 8.91 / 8.93, 10.10 / 10.09,
-// 14.08 / 14.23 with 2 (batch 1 does not run it). 8 buffers: 10.82 / 14.74 at batch 8 / 32
-// (an earlier call, against 10.20 / 14.55). 4 is the next default once the GPU tests have run
-// with it (not yet: no device time was left). The K loop is bound by the weights, not the
-// copies (bench/mma_probe.cu).
+// 14.08 / 14.23 with 2 (batch 1 does not run it); H200 with MMA_MT_FROM 8: above. 8 buffers:
+// 10.82 / 14.74 at batch 8 / 32 (an earlier call, against 10.20 / 14.55). The K loop is bound
+// by the weights, not the copies (bench/mma_probe.cu).
 #ifndef MMA_XD
-#define MMA_XD 2
+#define MMA_XD 4
 #endif
 template <int NT>   // the K chunk with two buffers
 __host__ __device__ constexpr int mma_kc2() { return MMA_KC1 / NT < MMA_KC_MAX ? MMA_KC1 / NT : MMA_KC_MAX; }
