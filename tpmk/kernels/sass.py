@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import shutil
 import subprocess
 import tempfile
@@ -66,6 +67,7 @@ def main() -> None:
                     help="kernel macros; repeatable (--define A=1 --define B=2 or --define A=1 B=2)")
     ap.add_argument("--top", type=int, default=20, help="source lines to list")
     args = ap.parse_args()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)   # `| head` ends the listing quietly
     cubin = compile_megakernel(torch.float32 if args.f32 else torch.bfloat16, defines=tuple(args.define))
     spills = spills_by_line(disassemble(cubin))
     per_file = Counter()

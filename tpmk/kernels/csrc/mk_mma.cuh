@@ -51,7 +51,8 @@ constexpr int MMA_KC1 = isa::MMA_KC1;                // K chunk for 1 n-tile; KC
 // 8.82 / 8.97, 12.94 / 12.99, 19.93 / 20.03, 30.32 / 30.31 against 7.62 / 7.61, 8.99 / 9.13,
 // 13.28 / 13.26, 20.14 / 20.06, 30.31 / 30.52; the 39 megakernel GPU tests, memcheck and
 // racecheck passed with it (and with MMA_MT 2 from NT 16, XD 2, on an H100). MMA_U_MT 2: 99
-// spills. MMA_MT 4 does not fit NT 16's split-K partials (static_assert below).
+// spills. MMA_MT 4 does not fit NT 16's split-K partials (static_assert below); at NT 8 alone
+// (a trial) it made 125 spills in the kernel and batch 64 10 % slower (H100, 2026-12-07).
 #ifndef MMA_MT
 #define MMA_MT 2
 #endif
