@@ -392,6 +392,7 @@ int main(int argc, char** argv) {
     std::vector<__nv_bfloat16> wrow(s.K), xh((size_t)NB * s.K);
     for (int b = 0; b < NB; b++) cudaMemcpy(xh.data() + (size_t)b * s.K, x + (size_t)b * s.K, s.K * 2, cudaMemcpyDeviceToHost);
     constexpr int SAMPLES = 64;
+    constexpr double TOL = 1e-5;   // of sum |w x|
     size_t at[SAMPLES];
     double want[SAMPLES], scale[SAMPLES];
     for (int i = 0; i < SAMPLES; i++) {
@@ -417,8 +418,8 @@ int main(int argc, char** argv) {
           for (int i = 0; i < SAMPLES; i++) err = std::max(err, std::fabs(want[i] - out[at[i]]) / scale[i]);
           if (m == 0 && sync == 0) ref = out;
           for (size_t i = 0; i < n; i++) diff = std::max(diff, (double)std::fabs(out[i] - ref[i]) / (1.0 + std::fabs(ref[i])));
-          if (err > 1e-5) bad = 1;
-          snprintf(check, sizeof check, "  f64 err %.1e, vs 0 %.1e%s", err, diff, err > 1e-5 ? "  WRONG" : "");
+          if (err > TOL) bad = 1;
+          snprintf(check, sizeof check, "  f64 err %.1e, vs 0 %.1e%s", err, diff, err > TOL ? "  WRONG" : "");
         }
         printf("%-8s %3d x %5d %s %-28s %7.2f us  %5.2f TB/s%s\n", s.name, s.nrows, s.K, sync ? "barrier" : "free   ",
                names[m], t, bytes / (t * 1e-6) / 1e12, check);

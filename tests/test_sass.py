@@ -1,8 +1,8 @@
 """tpmk.kernels.sass: the compiled kernel read on the CPU. The hot loops stay free of
 register spills: attention as a whole (its per-thread K/V loads once spilled, and every
 token then waited for its own round trip), the matvecs' weight-load and multiply lines and
-residual's batch-1 loop, in the bf16 and the f32 build, and in the tensor-core matvec's next
-default build."""
+residual's batch-1 loop, in the bf16 and the f32 build, and in the build with the tensor-core
+matvec's knobs set back (one m-tile per warp, two chunk buffers)."""
 import pytest
 
 from _mk_helpers import compile_or_skip
