@@ -7,6 +7,8 @@
 #     (and each variant's critical path per op against variant 1's: --against)
 #   SWEEP_ENV=1: each argument is environment settings (NAME=VALUE ...) instead of macros, one
 #     default build for all (for knobs the host code reads)
+#   SWEEP_ARGS=1: each argument is more bench/decode.py arguments (the schedule's knobs:
+#     "--splits 8", "--qkv-pairs 16"), one default build for all
 #   A variant "@REV" times another tree's default build in the same call (a baseline): before
 #   the device call, `git archive REV tpmk bench -o ab_REV.tar` at the repository root
 #   (untracked, so it travels with the working tree; delete it afterwards). "@REV NAME=VALUE ..."
@@ -28,10 +30,10 @@ for v in "$@"; do
     [ -f "ab_$r.tar" ] || { echo "missing ab_$r.tar: git archive $r tpmk bench -o ab_$r.tar"; exit 2; }
     [ -d "$d" ] || { mkdir -p "$d" && tar -xf "ab_$r.tar" -C "$d"; }
     (cd "$d" && PYTHONPATH=. TPMK_CACHE=$d/cache python3 -c "$BUILD" $(revmacros "$v")) &
-  elif [ -z "${SWEEP_ENV:-}" ]; then builds+=("$v")
+  elif [ -z "${SWEEP_ENV:-}${SWEEP_ARGS:-}" ]; then builds+=("$v")
   fi
 done
-[ -n "${SWEEP_ENV:-}" ] && builds=("")   # env variants share the default build
+[ -n "${SWEEP_ENV:-}${SWEEP_ARGS:-}" ] && builds=("")   # env / argument variants share the default build
 for v in "${builds[@]}"; do python3 -c "$BUILD" $v & done
 wait
 echo "== ${#builds[@]} builds for ${#@} variants in $(( $(date +%s) - t0 )) s"
@@ -39,12 +41,13 @@ i=0
 for v in "$@"; do
   i=$((i + 1))
   echo "== variant $i: ${v:-default}"
-  macros=$v; envs=""; dir=.
+  macros=$v; envs=""; args=""; dir=.
   [ -n "${SWEEP_ENV:-}" ] && macros="" envs=$v
+  [ -n "${SWEEP_ARGS:-}" ] && macros="" args=$v
   [[ $v == @* ]] && dir=$(tree "$(rev "$v")") && macros=$(revmacros "$v") envs="TPMK_CACHE=$dir/cache"
   (cd "$dir" && env PYTHONPATH=. $envs timeout ${BENCH_TIMEOUT:-120} python3 bench/decode.py \
     ${SWEEP_BENCH:---batch 1 --ctx 1024 --no-baseline --iters 5} \
-    ${macros:+--define $macros} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3)
+    $args ${macros:+--define $macros} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3)
 done
 for t in "$OUT"/trace*.json; do
   [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t" --starts | sed -n 1,24p
