@@ -22,6 +22,7 @@ BUILD="import sys, torch; from tpmk.kernels.megakernel import compile_megakernel
 c(torch.bfloat16, defines=tuple(sys.argv[1:]))"
 tree() { echo "/tmp/ab_${1#@}"; }   # where variant @REV's tree is unpacked
 builds=()
+shared=${SWEEP_ENV:-}${SWEEP_ARGS:-}   # non-empty: every variant runs the one default build
 rev() { local r=${1%% *}; echo "${r#@}"; }   # "@REV NAME=VALUE ..." -> REV
 revmacros() { [[ $1 == *" "* ]] && echo "${1#* }"; }   # ... -> its macros
 for v in "$@"; do
@@ -30,10 +31,10 @@ for v in "$@"; do
     [ -f "ab_$r.tar" ] || { echo "missing ab_$r.tar: git archive $r tpmk bench -o ab_$r.tar"; exit 2; }
     [ -d "$d" ] || { mkdir -p "$d" && tar -xf "ab_$r.tar" -C "$d"; }
     (cd "$d" && PYTHONPATH=. TPMK_CACHE=$d/cache python3 -c "$BUILD" $(revmacros "$v")) &
-  elif [ -z "${SWEEP_ENV:-}${SWEEP_ARGS:-}" ]; then builds+=("$v")
+  elif [ -z "$shared" ]; then builds+=("$v")
   fi
 done
-[ -n "${SWEEP_ENV:-}${SWEEP_ARGS:-}" ] && builds=("")   # env / argument variants share the default build
+[ -n "$shared" ] && builds=("")
 for v in "${builds[@]}"; do python3 -c "$BUILD" $v & done
 wait
 echo "== ${#builds[@]} builds for ${#@} variants in $(( $(date +%s) - t0 )) s"
