@@ -45,7 +45,7 @@ for v in "$@"; do
   macros=$v; envs=""; args=""; dir=.
   [ -n "${SWEEP_ENV:-}" ] && macros="" envs=$v
   [ -n "${SWEEP_ARGS:-}" ] && macros="" args=$v
-  [[ $v == @* ]] && dir=$(tree "$(rev "$v")") && macros=$(revmacros "$v") envs="TPMK_CACHE=$dir/cache"
+  [[ $v == @* ]] && dir=$(tree "$(rev "$v")") && macros=$(revmacros "$v") envs="TPMK_CACHE=$dir/cache" args=""
   (cd "$dir" && env PYTHONPATH=. $envs timeout ${BENCH_TIMEOUT:-120} python3 bench/decode.py \
     ${SWEEP_BENCH:---batch 1 --ctx 1024 --no-baseline --iters 5} \
     $args ${macros:+--define $macros} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3)
