@@ -109,7 +109,6 @@ def cache_dir() -> Path:
 def compile_to_cubin(source_or_path, name: str | None = None, options=(), arch: str = "sm_90a",
                      use_cache: bool = True) -> bytes:
     """CUDA C++ (text, or a path to a .cu file) -> cubin bytes for `arch`."""
-    from cuda.bindings import nvrtc
     src, prog_name, roots = _read_source(source_or_path, name)
     opts = [f"--gpu-architecture={arch}", *BASE_OPTIONS, *options]
     opts += [f"-I{d}" for d in include_dirs()]
@@ -117,6 +116,18 @@ def compile_to_cubin(source_or_path, name: str | None = None, options=(), arch: 
     cache = cache_dir() / f"{Path(prog_name).stem}_{arch}_{key}.cubin"
     if use_cache and cache.exists():
         return cache.read_bytes()
+    cubin, _ = _nvrtc(src, prog_name, opts, arch, options)
+    if use_cache:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(cubin)
+        tmp.replace(cache)   # atomic: concurrent ranks may compile the same source
+    return cubin
+
+
+def _nvrtc(src: str, prog_name: str, opts: list[str], arch: str, options) -> tuple[bytes, str]:
+    """One NVRTC compile -> (cubin, NVRTC's log)."""
+    from cuda.bindings import nvrtc
     prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), prog_name.encode(), 0, [], []),
                   "nvrtcCreateProgram")
     try:
@@ -124,21 +135,25 @@ def compile_to_cubin(source_or_path, name: str | None = None, options=(), arch: 
         log_size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
         log = b" " * log_size
         nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.decode(errors="replace").rstrip(chr(0))
         if int(res[0]) != 0:
             raise CompileError(f"NVRTC {nvrtc_version()} failed to compile {prog_name} for {arch} "
-                               f"with options {list(options)}:\n"
-                               f"{log.decode(errors='replace').rstrip(chr(0))}")
+                               f"with options {list(options)}:\n{log}")
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    if use_cache:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(cubin)
-        tmp.replace(cache)   # atomic: concurrent ranks may compile the same source
-    return cubin
+    return cubin, log
+
+
+def ptxas_report(source_or_path, name: str | None = None, options=(), arch: str = "sm_90a") -> str:
+    """ptxas's -v report of one compile (not cached): per function its stack frame, spill
+    bytes and registers (tpmk.kernels.sass.stack_frames reads it)."""
+    src, prog_name, _ = _read_source(source_or_path, name)
+    opts = [f"--gpu-architecture={arch}", *BASE_OPTIONS, *options, "--ptxas-options=-v"]
+    opts += [f"-I{d}" for d in include_dirs()]
+    return _nvrtc(src, prog_name, opts, arch, options)[1]
 
 
 def ensure_context(device: int | None = None):

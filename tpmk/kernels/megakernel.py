@@ -43,11 +43,15 @@ def compile_megakernel(dtype: torch.dtype, arch: str = "sm_90a", defines: tuple[
     environment's TPMK_MK_DEFINES (space-separated) are added to every build of the process,
     so the GPU tests can check a variant (bench/gpu_mk_check.sh)."""
     from tpmk.kernels.build import compile_to_cubin
+    return compile_to_cubin(CSRC / "megakernel.cu", options=megakernel_options(dtype, defines), arch=arch)
+
+
+def megakernel_options(dtype: torch.dtype, defines: tuple[str, ...] = ()) -> list[str]:
+    """NVRTC options of a megakernel build: its dtype and kernel_macros(defines)."""
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"megakernel dtype={dtype} unsupported; use bfloat16 or float32")
     opts = ["-DMK_FLOAT32"] if dtype == torch.float32 else []
-    opts += [f"-D{d}" for d in kernel_macros(defines)]
-    return compile_to_cubin(CSRC / "megakernel.cu", options=opts, arch=arch)
+    return opts + [f"-D{d}" for d in kernel_macros(defines)]
 
 
 def kernel_macros(defines: tuple[str, ...] = ()) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ spills where they must be; this CLI shows where the others have theirs.
 
   python -m tpmk.kernels.sass                  # bf16 build: spills per file, then the top lines
   python -m tpmk.kernels.sass --f32 --top 40
+  python -m tpmk.kernels.sass --frames         # ptxas's stack frame per function
 nvdisasm comes from the nvidia-cuda-nvdisasm wheel (the `cuda` extra) or a CUDA toolkit.
 """
 from __future__ import annotations
@@ -58,6 +59,23 @@ def spills_by_line(sass: str) -> Counter:
     return out
 
 
+FRAME = re.compile(r"Function properties for (\S+)\s*\n\s*ptxas\s+\.\s+(\d+) bytes stack frame, "
+                   r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def stack_frames(report: str) -> dict[str, tuple[int, int, int]]:
+    """ptxas -v report (tpmk.kernels.build.ptxas_report) -> {function: (stack frame, spill
+    store, spill load bytes)}; the entry `megakernel`'s frame is the whole call tree's
+    (callees save the caller's registers there)."""
+    return {m.group(1): tuple(int(g) for g in m.group(2, 3, 4)) for m in FRAME.finditer(report)}
+
+
+def megakernel_frames(dtype, defines: tuple[str, ...] = ()) -> dict[str, tuple[int, int, int]]:
+    from tpmk.kernels.build import CSRC, ptxas_report
+    from tpmk.kernels.megakernel import megakernel_options
+    return stack_frames(ptxas_report(CSRC / "megakernel.cu", options=megakernel_options(dtype, defines)))
+
+
 def main() -> None:
     import torch
     from tpmk.kernels.megakernel import compile_megakernel
@@ -66,9 +84,16 @@ def main() -> None:
     ap.add_argument("--define", nargs="*", action="extend", default=[], metavar="NAME=VALUE",
                     help="kernel macros; repeatable (--define A=1 --define B=2 or --define A=1 B=2)")
     ap.add_argument("--top", type=int, default=20, help="source lines to list")
+    ap.add_argument("--frames", action="store_true",
+                    help="ptxas's stack frame and spill bytes per function instead (a compile of its own)")
     args = ap.parse_args()
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)   # `| head` ends the listing quietly
-    cubin = compile_megakernel(torch.float32 if args.f32 else torch.bfloat16, defines=tuple(args.define))
+    dtype = torch.float32 if args.f32 else torch.bfloat16
+    if args.frames:
+        for fn, (frame, st, ld) in megakernel_frames(dtype, tuple(args.define)).items():
+            print(f"{frame:6d} bytes stack frame {st:5d} / {ld:5d} bytes spill stores / loads  {fn}")
+        return
+    cubin = compile_megakernel(dtype, defines=tuple(args.define))
     spills = spills_by_line(disassemble(cubin))
     per_file = Counter()
     for (name, _), n in spills.items():
