@@ -134,6 +134,8 @@ def main():
                     help="attention splits per (sequence, kv head); 0: the scheduler's choice")
     ap.add_argument("--qkv-pairs", type=int, default=0,
                     help="rotary pairs per qkv tile (build_schedule qkv_pairs); 0: one tile per SM")
+    ap.add_argument("--gu-splits", type=int, default=1,
+                    help="K slices of gate_up (build_schedule gu_splits; 1: whole rows)")
     ap.add_argument("--profile", default="", help="write a Chrome trace (per-instruction start/end) "
                     "of the first configuration's last step to this JSON file")
     args = ap.parse_args()
@@ -158,7 +160,7 @@ def main():
                              dtype=torch.bfloat16)
             vc = torch.randn_like(kc)
             sched = build_schedule(cfg, args.tp, B, dev.multi_processor_count, num_splits=args.splits,
-                                   qkv_pairs=args.qkv_pairs)
+                                   qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits)
             row = dict(batch=B, ctx=ctx, bytes=wbytes + kv_bytes)
             t0 = time.time()
             profile = bool(args.profile) and not rows
@@ -192,7 +194,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     name = dev.name.replace(" ", "_")
     res = dict(device=dev.name, copy_bw_Bps=bw, model=cfg.name, tp=args.tp, defines=args.define, splits=args.splits,
-               qkv_pairs=args.qkv_pairs,
+               qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits,
                layers=cfg.num_hidden_layers, weights_bytes=wbytes, note="one rank, peer slots looped back; baseline: torch + CUDA graph, "
                "contiguous KV, no communication", rows=rows)
     (out / f"decode_{name}.json").write_text(json.dumps(res, indent=1))

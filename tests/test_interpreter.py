@@ -97,11 +97,54 @@ def test_any_qkv_tile_height_matches_hf(qkv_pairs):
     torch.testing.assert_close(vm.logits(), want, atol=2e-4, rtol=1e-4)
 
 
-def _vm(name, tp, bucket, num_sms, seed=0, reduce="oneshot", splits=0):
+@pytest.mark.parametrize("gu_splits,tp,sms", [(2, 2, 5), (4, 1, 8), (16, 2, 3)])
+def test_gate_up_split_over_k_matches_hf(gu_splits, tp, sms):
+    """build_schedule(gu_splits=S): gate_up tiles over 1 / S of the hidden size each (the
+    RMSNorm still the whole row's), ACT summing the slices, give HF's logits in adversarial
+    order (S = 16: slices of 8 columns)."""
+    cfg = ModelConfig.from_name("tiny-gqa")
+    model, shards = shards_for(cfg, tp, seed=5)
+    kc, vc = empty_caches(cfg, tp, num_pages=24, page_size=PAGE)
+    sched = build_schedule(cfg, tp, 2, sms, gu_splits=gu_splits)
+    assert {i.arg1 for i in sched.instructions if i.name == "gate_up"} == {gu_splits}
+    vm = VM(cfg, sched, shards, kc, vc)
+    prompts = [p[:3] for p in PROMPTS[:2]]
+    for pos in range(3):
+        vm.step([p[pos] for p in prompts], [pos, pos], [[0, 1, 2], [3, 4, 5]], order="adversarial",
+                seed=pos, poison=True)
+    with torch.no_grad():
+        want = model(torch.tensor(prompts)).logits[:, -1]
+    torch.testing.assert_close(vm.logits(), want, atol=2e-4, rtol=1e-4)
+
+
+def test_gate_up_split_over_k_on_tensor_cores_within_bf16_tolerance_of_hf():
+    """The bf16 path (batch >= MMA_MIN_BATCH) of a K-split gate_up: each slice of x * norm_w
+    rounded to bf16, 1 / rms of the whole row after the dot products."""
+    cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
+    model, shards = shards_for(cfg, 2, seed=6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    B = MMA_MIN_BATCH + 2
+    prompts = [[5 + 7 * b, 17, 300 - b, 42] for b in range(B)]
+    kc, vc = empty_caches(cfg, 2, num_pages=2 * B, page_size=PAGE, dtype=torch.bfloat16)
+    vm = VM(cfg, build_schedule(cfg, 2, B, 8, gu_splits=4), shards, kc, vc)
+    for pos in range(len(prompts[0])):
+        vm.step([p[pos] for p in prompts], [pos] * B, [[2 * b, 2 * b + 1] for b in range(B)],
+                order="adversarial", seed=pos, poison=True)
+    assert vm.tensor_cores
+    with torch.no_grad():
+        want = model(torch.tensor(prompts)).logits[:, -1]
+    got = vm.logits()
+    assert float((got - want).abs().max() / want.abs().max()) < 3e-2
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def _vm(name, tp, bucket, num_sms, seed=0, reduce="oneshot", splits=0, gu_splits=1):
     cfg = ModelConfig.from_name(name)
     _, shards = shards_for(cfg, tp, seed=seed)
     kc, vc = empty_caches(cfg, tp, num_pages=24, page_size=PAGE)
-    sched = build_schedule(cfg, tp, bucket, num_sms, num_splits=splits, reduce=reduce)
+    sched = build_schedule(cfg, tp, bucket, num_sms, num_splits=splits, reduce=reduce, gu_splits=gu_splits)
     return VM(cfg, sched, shards, kc, vc)
 
 
@@ -116,17 +159,20 @@ def _run_prompts(vm, order, seed):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("name,tp,reduce,splits", [("tiny", 2, "oneshot", 0), ("tiny-gqa", 4, "oneshot", 0),
-                                                    ("tiny", 8, "oneshot", 0), ("tiny-gqa", 4, "rsag", 0),
-                                                    ("tiny", 8, "rsag", 0), ("tiny-gqa", 2, "oneshot", 3)])
-def test_adversarial_orders_are_bit_identical(name, tp, reduce, splits):
-    """splits=3: whichever split of a group runs last merges it (early steps have empty splits)."""
-    base = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce, splits=splits), "program", 0)
+@pytest.mark.parametrize("name,tp,reduce,splits,gu", [("tiny", 2, "oneshot", 0, 1), ("tiny-gqa", 4, "oneshot", 0, 1),
+                                                       ("tiny", 8, "oneshot", 0, 1), ("tiny-gqa", 4, "rsag", 0, 1),
+                                                       ("tiny", 8, "rsag", 0, 1), ("tiny-gqa", 2, "oneshot", 3, 1),
+                                                       ("tiny", 2, "rsag", 0, 4)])
+def test_adversarial_orders_are_bit_identical(name, tp, reduce, splits, gu):
+    """splits=3: whichever split of a group runs last merges it (early steps have empty splits).
+    gu=4: gate_up in 4 K slices, summed by ACT in slice order whatever order they ran in."""
+    kw = dict(reduce=reduce, splits=splits, gu_splits=gu)
+    base = _run_prompts(_vm(name, tp, 2, 3, **kw), "program", 0)
     assert torch.isfinite(base).all()
     for order, seed in [("queue", 1), ("queue", 2), ("adversarial", 3), ("adversarial", 4)]:
-        got = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce, splits=splits), order, seed)
+        got = _run_prompts(_vm(name, tp, 2, 3, **kw), order, seed)
         assert torch.equal(got, base), f"{order} seed {seed} differs from program order"
-    if splits > 1:   # the merged splits against one split per sequence (a float32 re-association)
+    if splits > 1 or gu > 1:   # against one split / slice (a float32 re-association)
         one = _run_prompts(_vm(name, tp, 2, 3, reduce=reduce, splits=1), "program", 0)
         torch.testing.assert_close(base, one, atol=1e-4, rtol=1e-4)
 
@@ -141,19 +187,20 @@ def test_reduce_scatter_all_gather_equals_one_shot(name, tp, sms):
     assert torch.equal(rsag, oneshot)
 
 
-@pytest.mark.parametrize("reduce,splits", [("oneshot", 0), ("rsag", 0), ("oneshot", 3)])
-def test_mutation_removing_any_dependency_is_detected(reduce, splits):
+@pytest.mark.parametrize("reduce,splits,gu_splits", [("oneshot", 0, 1), ("rsag", 0, 1), ("oneshot", 3, 1),
+                                                     ("oneshot", 0, 2)])
+def test_mutation_removing_any_dependency_is_detected(reduce, splits, gu_splits):
     """Remove one declared wait at a time (one instruction per (opcode, layer, wait) group)
     and run adversarial orders; a detected mutation changes logits or tokens.
 
     Every wait guards a read of a buffer that is NaN-poisoned before the step or
-    rewritten earlier in the same step (x, q, KV, attn_part, act, slots, cand), and
+    rewritten earlier in the same step (x, q, KV, attn_part, act, gu_part, slots, cand), and
     the mutated instruction becomes ready at once, so random priorities run it
     before its producer in most orders: we expect every mutation to be caught and
     require >= 90 % so a regression in the adversarial runner fails loudly."""
     name, tp, bucket, sms, seeds = "tiny-gqa", 2, 2, 3, 3
-    base = _run_prompts(_vm(name, tp, bucket, sms, reduce=reduce, splits=splits), "program", 0)
-    vm = _vm(name, tp, bucket, sms, reduce=reduce, splits=splits)
+    base = _run_prompts(_vm(name, tp, bucket, sms, reduce=reduce, splits=splits, gu_splits=gu_splits), "program", 0)
+    vm = _vm(name, tp, bucket, sms, reduce=reduce, splits=splits, gu_splits=gu_splits)
     groups = {}
     for idx, ins in enumerate(vm.sched.instructions):
         for w in range(len(ins.waits)):
@@ -162,7 +209,7 @@ def test_mutation_removing_any_dependency_is_detected(reduce, splits):
     rng = random.Random(0)
     detected, missed = 0, []
     for key, idxs in sorted(groups.items()):
-        vm = _vm(name, tp, bucket, sms, reduce=reduce, splits=splits)
+        vm = _vm(name, tp, bucket, sms, reduce=reduce, splits=splits, gu_splits=gu_splits)
         victim = vm.sched.instructions[rng.choice(idxs)]
         victim.waits = [wt for i, wt in enumerate(victim.waits) if i != key[3]]
         caught = False
@@ -175,14 +222,14 @@ def test_mutation_removing_any_dependency_is_detected(reduce, splits):
             if not torch.equal(got, base):
                 caught = True
                 break
-            vm = _vm(name, tp, bucket, sms, reduce=reduce, splits=splits)
+            vm = _vm(name, tp, bucket, sms, reduce=reduce, splits=splits, gu_splits=gu_splits)
             victim = vm.sched.instructions[rng.choice(idxs)]
             victim.waits = [wt for i, wt in enumerate(victim.waits) if i != key[3]]
         detected += caught
         if not caught:
             missed.append(key)
     frac = detected / len(groups)
-    print(f"mutation test ({reduce}, splits {vm.num_splits}): {detected}/{len(groups)} dependency removals detected "
+    print(f"mutation test ({reduce}, splits {vm.num_splits}, gate_up slices {gu_splits}): {detected}/{len(groups)} dependency removals detected "
           f"({frac:.0%}); missed: {missed}")
     assert frac >= 0.9, f"only {frac:.0%} of removed dependencies detected; missed {missed}"
 

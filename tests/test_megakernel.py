@@ -24,10 +24,10 @@ def _tol(batch: int) -> float:
     return 2e-3 if batch < MMA_MIN_BATCH else 1e-2
 
 
-def _pair(cfg, tp, bucket, shards_cpu, sms=None, splits=0, reduce="oneshot"):
+def _pair(cfg, tp, bucket, shards_cpu, sms=None, splits=0, reduce="oneshot", gu_splits=1):
     from tpmk.kernels.megakernel import Megakernel
     sms = sms or min(16, torch.cuda.get_device_properties(0).multi_processor_count // tp)
-    sched = build_schedule(cfg, tp, bucket, sms, num_splits=splits, reduce=reduce)
+    sched = build_schedule(cfg, tp, bucket, sms, num_splits=splits, reduce=reduce, gu_splits=gu_splits)
     n_pages = bucket * PAGES_PER_SEQ
     kc, vc = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
     vm = VM(cfg, sched, shards_cpu, kc, vc)
@@ -183,6 +183,26 @@ def test_batched_tensor_core_matvec(name, tp, bucket, batch):
     vm, mk = _pair(cfg, tp, bucket, shards)
     worst = _compare_run(vm, mk, prompts, 3, f"{name} tp{tp} batch {batch}")
     print(f"{name} tp{tp} batch {batch}: max rel logit err {worst:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,tp,bucket,batch,gu", [("tiny-gqa", 2, 4, 3, 2), ("tiny-gqa", 2, 72, 70, 4),
+                                                     ("llama-3.2-1b", 1, 24, 21, 4), ("llama-3.2-1b", 2, 8, 8, 2)])
+def test_gate_up_split_over_k(name, tp, bucket, batch, gu):
+    """gate_up in `gu` K slices (partials to gu_part, ACT sums them) on both the CUDA-core
+    path (batch < 5, the norm's sum of squares over the whole row) and the tensor cores."""
+    if name == "tiny-gqa":
+        cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
+        _, shards = shards_for(cfg, tp, seed=9, dtype=torch.bfloat16)
+    else:
+        cfg = ModelConfig.from_name(name).replace(num_hidden_layers=2)
+        shards = random_shards(cfg, tp, seed=5)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, cfg.vocab_size, (1 + b % 4,), generator=g).tolist() for b in range(batch)]
+    vm, mk = _pair(cfg, tp, bucket, shards, gu_splits=gu)
+    assert any(i.name == "act" for i in mk.sched.instructions)
+    worst = _compare_run(vm, mk, prompts, 4, f"{name} tp{tp} batch {batch} gate_up / {gu}")
+    print(f"{name} tp{tp} batch {batch}, gate_up in {gu} K slices: max rel logit err {worst:.2e}")
 
 
 def _compare_topk(vm, mk, prompts, tag):

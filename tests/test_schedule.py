@@ -11,10 +11,10 @@ CASES = [("tiny", 1, 1, 3), ("tiny", 8, 4, 5), ("tiny-gqa", 4, 3, 7), ("llama-3.
          ("llama-3-70b", 8, 1, 132), ("llama-3-70b", 8, 128, 132)]
 
 
-@pytest.mark.parametrize("reduce", ["oneshot", "rsag"])
+@pytest.mark.parametrize("reduce,gu", [("oneshot", 1), ("rsag", 1), ("oneshot", 4)])
 @pytest.mark.parametrize("name,tp,bucket,sms", CASES)
-def test_counts_match_producers(name, tp, bucket, sms, reduce):
-    s = build_schedule(ModelConfig.from_name(name), tp, bucket, sms, reduce=reduce)
+def test_counts_match_producers(name, tp, bucket, sms, reduce, gu):
+    s = build_schedule(ModelConfig.from_name(name), tp, bucket, sms, reduce=reduce, gu_splits=gu)
     # increments each rank's counters receive per step, from every rank that runs a producer
     arrivals = [Counter() for _ in range(tp)]
     for ins in s.instructions:
@@ -34,9 +34,10 @@ def test_counts_match_producers(name, tp, bucket, sms, reduce):
                                              f"{arrivals[r][c]} per step")
 
 
+@pytest.mark.parametrize("gu", [1, 4])
 @pytest.mark.parametrize("name,tp,bucket,sms", CASES)
-def test_waits_point_backwards_and_queues_are_in_stage_order(name, tp, bucket, sms):
-    s = build_schedule(ModelConfig.from_name(name), tp, bucket, sms)
+def test_waits_point_backwards_and_queues_are_in_stage_order(name, tp, bucket, sms, gu):
+    s = build_schedule(ModelConfig.from_name(name), tp, bucket, sms, gu_splits=gu)
     producer_stage = {}
     for ins in s.instructions:
         if ins.signal >= 0:
@@ -47,7 +48,7 @@ def test_waits_point_backwards_and_queues_are_in_stage_order(name, tp, bucket, s
     for sm in range(s.num_sms):
         stages = [i.arg4 for i in s.queue(sm)]
         assert stages == sorted(stages), f"SM {sm} queue is not in stage order"
-    assert len(s.stage_names) == 2 + 7 * ModelConfig.from_name(name).num_hidden_layers + 2
+    assert len(s.stage_names) == 2 + (7 + (gu > 1)) * ModelConfig.from_name(name).num_hidden_layers + 2
 
 
 @pytest.mark.parametrize("name,tp,bucket,sms", CASES)
@@ -123,3 +124,32 @@ def test_reduce_choice_is_validated():
     assert RuntimeConfig().reduce == "auto"
     with pytest.raises(ValueError, match="reduce='ring' is not supported"):
         RuntimeConfig(reduce="ring")
+
+
+@pytest.mark.parametrize("gu", [2, 4])
+def test_gate_up_slices_cover_every_column_and_k_once(gu):
+    """gu_splits: each intermediate column's gate/up rows in every K slice exactly once, ~num_sms
+    slice tiles; ACT tiles cover each column once and wait for all slices of their columns."""
+    cfg = ModelConfig.from_name("llama-3-70b")
+    s = build_schedule(cfg, 8, 32, 132, gu_splits=gu)
+    inter = cfg.intermediate_size // 8
+    gu_ins = [i for i in s.instructions if i.name == "gate_up" and i.layer == 1]
+    assert len(gu_ins) <= 132 and {i.arg1 for i in gu_ins} == {gu}
+    cover = Counter((c, i.arg0) for i in gu_ins for c in range(i.row0, i.row0 + i.nrows))
+    assert cover == Counter({(c, j): 1 for c in range(inter) for j in range(gu)})
+    acts = [i for i in s.instructions if i.name == "act" and i.layer == 1]
+    assert sorted(c for i in acts for c in range(i.row0, i.row0 + i.nrows)) == list(range(inter))
+    for a in acts:   # its columns' slices signal the counter it waits on, gu of them
+        (c, n), = a.waits
+        producers = [i for i in gu_ins if i.signal == c]
+        assert n == gu == len(producers)
+        assert any(p.row0 <= a.row0 < p.row0 + p.nrows for p in producers)
+    down = [i for i in s.instructions if i.name == "down" and i.layer == 1]
+    assert all(d.waits == [(acts[0].signal, len(acts))] for d in down)
+
+
+def test_gate_up_slices_are_validated():
+    cfg = ModelConfig.from_name("tiny")   # hidden 128
+    for bad in (0, 3, 32):
+        with pytest.raises(ValueError, match=f"gu_splits={bad}: hidden_size=128"):
+            build_schedule(cfg, 2, 4, 8, gu_splits=bad)

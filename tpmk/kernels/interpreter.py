@@ -37,6 +37,7 @@ class RankState:
     attn_part: torch.Tensor        # [bucket, Hq, splits, D + 2]
     attn_out: torch.Tensor         # [bucket, Hq * D] merged by each group's last split
     act: torch.Tensor              # [bucket, I]
+    gu_part: torch.Tensor          # [gu_splits, bucket, 2 I] gate_up's K-slice partials
     logits: torch.Tensor           # [bucket, Vp]
     tokens_out: torch.Tensor       # [bucket] int64
     topk_values: torch.Tensor      # [bucket, TOPK] f32, value desc then id asc
@@ -49,7 +50,8 @@ class RankState:
         return self.attn_slots if stage % 2 else self.mlp_slots
 
     def poison(self) -> None:
-        for t in (self.x, self.q, self.attn_part, self.attn_out, self.act, self.logits, self.topk_values,
+        for t in (self.x, self.q, self.attn_part, self.attn_out, self.act, self.gu_part, self.logits,
+                  self.topk_values,
                   self.attn_slots, self.mlp_slots, self.cand):
             t.fill_(float("nan"))
         self.tokens_out.fill_(-1)
@@ -81,7 +83,8 @@ class VM:
             q=torch.zeros(B, self.q_heads * D, **f32),
             attn_part=torch.zeros(B, self.q_heads, sched.num_splits, D + 2, **f32),
             attn_out=torch.zeros(B, self.q_heads * D, **f32),
-            act=torch.zeros(B, self.inter, **f32), logits=torch.zeros(B, vp, **f32),
+            act=torch.zeros(B, self.inter, **f32),
+            gu_part=torch.zeros(sched.gu_splits, B, 2 * self.inter, **f32), logits=torch.zeros(B, vp, **f32),
             tokens_out=torch.zeros(B, dtype=torch.int64),
             topk_values=torch.zeros(B, TOPK, **f32), topk_ids=torch.zeros(B, TOPK, dtype=torch.int64),
             attn_slots=torch.zeros(self.tp, B, H, **f32), mlp_slots=torch.zeros(self.tp, B, H, **f32),
@@ -103,14 +106,22 @@ class VM:
             x = x.to(torch.bfloat16).float()
         return x @ w.float().T
 
-    def norm_matvec(self, x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm(x) (weight norm_w) @ weight rows w. The tensor-core path rounds x * norm_w
-        to bf16 (its producer, the residual, writes it so) and applies 1 / rms(x) after the
-        dot products."""
+    def norm_matvec(self, x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor,
+                    k: slice = slice(None)) -> torch.Tensor:
+        """RMSNorm(x) (weight norm_w) @ weight rows w, over the columns k only (a K slice; the
+        norm is the whole row's). The tensor-core path rounds x * norm_w to bf16 (its producer,
+        the residual, writes it so) and applies 1 / rms(x) after the dot products."""
         r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.cfg.rms_norm_eps)
         if self.tensor_cores:
-            return (x * norm_w.float()).to(torch.bfloat16).float() @ w.float().T * r
-        return (x * r * norm_w.float()) @ w.float().T
+            return (x * norm_w.float())[:, k].to(torch.bfloat16).float() @ w[:, k].float().T * r
+        return (x * r * norm_w.float())[:, k] @ w[:, k].float().T
+
+    def k_slice(self, j: int, slices: int) -> slice:
+        """Slice j of `slices` equal parts of the hidden size (slices <= 1: all of it)."""
+        if slices <= 1:
+            return slice(None)
+        n = self.cfg.hidden_size // slices
+        return slice(j * n, (j + 1) * n)
 
     # ---- one step -----------------------------------------------------
     def set_header(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> None:

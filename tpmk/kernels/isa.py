@@ -65,6 +65,7 @@ class Opcode(enum.IntEnum):
     DOWN = 7         # act @ down rows, push partial to every peer's slot[rank]
     LM_HEAD = 8      # rmsnorm(x) @ lm_head rows -> logits, per-tile top-TOPK pushed to peers
     ARGMAX = 9       # merge all ranks' candidates -> row top-TOPK (topk_values/ids), tokens_out
+    ACT = 10         # gate_up split over K: sum its slices' partials, silu(gate) * up -> act
 
 
 class Field(enum.IntEnum):
@@ -74,8 +75,10 @@ class Field(enum.IntEnum):
     TILE = 2        # tile index within its (op, layer) group
     ROW0 = 3        # first output row / column / kv head the tile covers
     NROWS = 4       # rows / columns / splits covered
-    ARG0 = 5        # op-specific (ATTENTION: sequence; RESIDUAL: stage; EMBED: stage)
-    ARG1 = 6        # op-specific (ATTENTION: split; RESIDUAL: 1 = set, 0 = add)
+    ARG0 = 5        # op-specific (ATTENTION: sequence; RESIDUAL: stage; EMBED: stage;
+                    # GATE_UP: K slice; ACT: slices)
+    ARG1 = 6        # op-specific (ATTENTION: split; RESIDUAL: 1 = set, 0 = add; GATE_UP: slices,
+                    # <= 1: the whole K, silu(gate) * up -> act; more: the slice's partial -> gu_part)
     WAIT0 = 7       # counter id or NO_COUNTER
     COUNT0 = 8      # expected increments per epoch
     WAIT1 = 9
@@ -174,6 +177,7 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("attn_part", PTR, 1),                          # [bucket, Hq, splits, D + 2] f32
     ("attn_out", PTR, 1),                           # [bucket, Hq * D] f32 merged attention
     ("act", PTR, 1),                                # [bucket, I] f32
+    ("gu_part", PTR, 1),                            # [gu_splits, bucket, 2 I] f32 K-slice partials (or 0)
     # Tensor-core inputs (batch >= MMA_MIN_BATCH), written by their producers rounded to bf16
     # so the matvecs copy them straight into shared memory.
     ("attn_bf", PTR, 1),                            # attn_out as [bucket, Hq * D] bf16

@@ -217,6 +217,7 @@ class Megakernel:
                 attn_part=torch.zeros(B, hq, sched.num_splits, D + 2, **f32),
                 attn_out=torch.zeros(B, hq * D, **f32),
                 act=torch.zeros(B, inter, **f32), logits=torch.zeros(B, vp, **f32),
+                gu_part=torch.zeros(sched.gu_splits, B, 2 * inter, **f32) if sched.gu_splits > 1 else None,
                 attn_bf=torch.zeros(B, hq * D, device=dev, dtype=torch.bfloat16),
                 act_bf=torch.zeros(B, inter, device=dev, dtype=torch.bfloat16),
                 tokens_out=torch.zeros(B, dtype=torch.int32, device=dev),

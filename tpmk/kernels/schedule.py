@@ -2,7 +2,7 @@
 
 Every rank runs the same schedule (SPMD). Instructions are emitted in stages
 (embed, residual 0, then per layer qkv, attention, o_proj, residual,
-gate_up, down, residual; lm_head, argmax); every wait refers to a counter
+gate_up, [act,] down, residual; lm_head, argmax); every wait refers to a counter
 signalled only by an earlier stage, and each SM's queue is in stage order,
 so with all SMs of all ranks resident the schedule cannot deadlock.
 
@@ -11,6 +11,9 @@ Counters (per rank, `Schedule.counter_names` for error messages):
                 with reduce="rsag" only on tile j's owner rank, j % tp)
   ready[s]      residual stage s done on this rank (count n_h_tiles)
   qkv[l], attn[l], gate_up[l]   local stage completion (count = tiles)
+  gate_up[l][t]  with gu_splits > 1: the K slices of gate_up column tile t written (count
+                gu_splits); ACT's tiles of those columns wait on it, and gate_up[l] counts ACT's
+                tiles instead (down waits on it either way)
   merge[l][b][g]  attention tickets (num_splits > 1): each split of (sequence b, kv head g)
                 takes one; the split drawing a multiple of num_splits is the last of the step
                 and merges the group's splits into attn_out. Nothing waits on a ticket.
@@ -27,7 +30,7 @@ import torch
 
 from tpmk.config import REDUCE_CHOICES, ModelConfig
 from tpmk.kernels.isa import INSTR_WORDS, NO_COUNTER
-from tpmk.kernels.ops import (Argmax, Attention, Down, Embed, GateUp, Instruction, LmHead,
+from tpmk.kernels.ops import (Act, Argmax, Attention, Down, Embed, GateUp, Instruction, LmHead,
                               OProj, Qkv, Residual)
 from tpmk.partition.weights import local_heads, padded_vocab
 
@@ -46,6 +49,7 @@ class Schedule:
     queue_start: list[int]                     # [num_sms + 1]
     counter_names: list[str] = field(default_factory=list)
     stage_names: list[str] = field(default_factory=list)   # stage number (ARG4) -> "qkv[layer 3]"
+    gu_splits: int = 1                         # gate_up's K slices (1: whole rows, no ACT stage)
 
     @property
     def num_counters(self) -> int:
@@ -131,7 +135,8 @@ class _Counters:
 
 
 def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
-                   num_splits: int = 0, reduce: str = "oneshot", qkv_pairs: int = 0) -> Schedule:
+                   num_splits: int = 0, reduce: str = "oneshot", qkv_pairs: int = 0,
+                   gu_splits: int = 1) -> Schedule:
     """reduce: how the o_proj / down partial sums meet.
       "oneshot": every rank pushes its partial of every hidden tile to every rank, which
         sums all tp partials itself (one hop; tp x the traffic).
@@ -142,6 +147,11 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
     qkv_pairs: rotary pairs (2 rows each) per qkv tile; 0: as many tiles as SMs. Every qkv
       tile reads all of the step's activations, so at large buckets fewer, taller tiles
       trade SMs for less of that traffic (a tuning knob: bench/decode.py --qkv-pairs).
+    gu_splits: K slices of gate_up. Every gate_up tile reads all of the step's activations
+      (at batch 128, 2 MB per tile against its 0.9 MB of weights on a 70B tp=8 rank); with S
+      slices, ~num_sms / S column tiles of S times the columns each take 1 / S of K, write
+      partial sums, and an ACT stage sums them (fixed order) into silu(gate) * up: 1 / S of
+      the activation reads, for one more stage (bench/decode.py --gu-splits).
     """
     if bucket < 1 or num_sms < 1:
         raise ValueError(f"bucket={bucket} and num_sms={num_sms} must be >= 1")
@@ -158,6 +168,9 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         raise ValueError(f"qkv_pairs={qkv_pairs} must be in 0..head_dim/2={D // 2} (0: one tile per SM)")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
+    if gu_splits < 1 or H % (8 * gu_splits):
+        raise ValueError(f"gu_splits={gu_splits}: hidden_size={H} must split into gu_splits slices of "
+                         f"a multiple of 8 columns; use a divisor of {H // 8}")
     inter, vp = cfg.intermediate_size // tp, padded_vocab(cfg, tp) // tp
     if num_splits == 0:  # enough attention tiles to cover the SMs, at most 32 splits (the
         # merge's one lane per split). 32 rather than 16 at batch 1 of a 70B tp=8 rank on an
@@ -172,6 +185,9 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
     qkv_done = [ctr.new(f"qkv[layer {l}]") for l in range(L)]
     attn_done = [ctr.new(f"attn[layer {l}]") for l in range(L)]
     gu_done = [ctr.new(f"gate_up[layer {l}]") for l in range(L)]
+    gu_tiles = _tiles(inter, max(1, num_sms // gu_splits), 4)
+    gu_part = [[ctr.new(f"gate_up[layer {l}][tile {t}]") for t in range(len(gu_tiles))]
+               if gu_splits > 1 else [] for l in range(L)]
     merge = [[[ctr.new(f"merge[layer {l}][seq {b}][kv {g}]") if num_splits > 1 else NO_COUNTER
                for g in range(hkv)] for b in range(bucket)] for l in range(L)]
     lm_tiles = _tiles(vp, num_sms, 8)
@@ -206,13 +222,24 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         o = [OProj(layer=l, tile=j, row0=c, nrows=n, waits=[(attn_done[l], len(attn))],
                    signal=arrive[2 * l + 1][j], signal_peers=not rsag, owner=rsag)
              for j, (c, n) in enumerate(h_tiles)]
-        gu_tiles = _tiles(inter, num_sms, 4)
-        gu = [GateUp(layer=l, tile=t, row0=c, nrows=n, waits=[(ready[2 * l + 1], nh)],
-                     signal=gu_done[l]) for t, (c, n) in enumerate(gu_tiles)]
+        if gu_splits == 1:
+            gu = [GateUp(layer=l, tile=t, row0=c, nrows=n, waits=[(ready[2 * l + 1], nh)],
+                         signal=gu_done[l]) for t, (c, n) in enumerate(gu_tiles)]
+            mlp = [gu]
+        else:   # slices j of column tile t on consecutive queues; ACT cuts each tile's columns
+            gu_slices = [GateUp(layer=l, tile=t * gu_splits + j, row0=c, nrows=n, arg0=j, arg1=gu_splits,
+                         waits=[(ready[2 * l + 1], nh)], signal=gu_part[l][t])
+                  for t, (c, n) in enumerate(gu_tiles) for j in range(gu_splits)]
+            gu = [Act(layer=l, row0=c + a, nrows=m, arg0=gu_splits, waits=[(gu_part[l][t], gu_splits)],
+                      signal=gu_done[l])
+                  for t, (c, n) in enumerate(gu_tiles) for a, m in _tiles(n, gu_splits, 4)]
+            for t, ins in enumerate(gu):
+                ins.tile = t
+            mlp = [gu_slices, gu]
         dn = [Down(layer=l, tile=j, row0=c, nrows=n, waits=[(gu_done[l], len(gu))],
                    signal=arrive[2 * l + 2][j], signal_peers=not rsag, owner=rsag)
               for j, (c, n) in enumerate(h_tiles)]
-        stages += [qkv, attn, o, residual_stage(2 * l + 1), gu, dn, residual_stage(2 * l + 2)]
+        stages += [qkv, attn, o, residual_stage(2 * l + 1), *mlp, dn, residual_stage(2 * l + 2)]
     stages.append([LmHead(tile=t, row0=r, nrows=n, waits=[(ready[2 * L], nh)], signal=lm,
                           signal_peers=True) for t, (r, n) in enumerate(lm_tiles)])
     # One SM merging every row's candidates took 0.92 ms of a batch-128 step (H200, 2026-12-04).
@@ -234,5 +261,6 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
     return Schedule(tp=tp, bucket=bucket, num_sms=num_sms, num_splits=num_splits, reduce=reduce,
                     h_tile=h_tiles[0][1], n_h_tiles=nh, n_lm_tiles=len(lm_tiles),
                     instructions=flat, queue_start=starts, counter_names=ctr.names,
-                    stage_names=[f"{st[0].name}[layer {st[0].layer}]" for st in stages])
+                    stage_names=[f"{st[0].name}[layer {st[0].layer}]" for st in stages],
+                    gu_splits=gu_splits)
 

@@ -30,6 +30,7 @@ constexpr int OP_GATE_UP = 6;
 constexpr int OP_DOWN = 7;
 constexpr int OP_LM_HEAD = 8;
 constexpr int OP_ARGMAX = 9;
+constexpr int OP_ACT = 10;
 constexpr int F_OP = 0;
 constexpr int F_LAYER = 1;
 constexpr int F_TILE = 2;
@@ -85,6 +86,7 @@ struct KernelArgs {
   unsigned long long attn_part;
   unsigned long long attn_out;
   unsigned long long act;
+  unsigned long long gu_part;
   unsigned long long attn_bf;
   unsigned long long act_bf;
   unsigned long long logits;
@@ -127,4 +129,4 @@ struct KernelArgs {
   float attn_scale;
   int attn_chunk;
 };
-static_assert(sizeof(KernelArgs) == 784, "KernelArgs drifted from isa.py");
+static_assert(sizeof(KernelArgs) == 792, "KernelArgs drifted from isa.py");

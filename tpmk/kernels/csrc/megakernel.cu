@@ -14,6 +14,7 @@
 #include "ops/attention.cuh"
 #include "ops/o_proj.cuh"
 #include "ops/gate_up.cuh"
+#include "ops/act.cuh"
 #include "ops/down.cuh"
 #include "ops/lm_head.cuh"
 #include "ops/argmax.cuh"
@@ -72,6 +73,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       case isa::OP_O_PROJ: op_o_proj(a, ins, hdr, smem); break;
       case isa::OP_RESIDUAL: op_residual(a, ins, hdr, smem); break;
       case isa::OP_GATE_UP: op_gate_up(a, ins, hdr, smem); break;
+      case isa::OP_ACT: op_act(a, ins, hdr, smem); break;
       case isa::OP_DOWN: op_down(a, ins, hdr, smem); break;
       case isa::OP_LM_HEAD: op_lm_head(a, ins, hdr, smem); break;
       case isa::OP_ARGMAX: op_argmax(a, ins, hdr, smem); break;
