@@ -85,7 +85,8 @@ class Field(enum.IntEnum):
     COUNT1 = 10
     SIGNAL = 11     # counter id or NO_COUNTER
     SIGNAL_PEERS = 12  # SignalBits: PEERS, OWNER (0: own rank's counter only)
-    ARG2 = 13       # op-specific (ATTENTION: its (sequence, kv head) merge ticket counter)
+    ARG2 = 13       # op-specific (ATTENTION: its (sequence, kv head) merge ticket counter;
+                    # GATE_UP: columns per K slice, hidden / slices, or 0)
     ARG3 = 14
     ARG4 = 15       # stage number in program order (debug stop_after / op-by-op diff)
 

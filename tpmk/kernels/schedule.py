@@ -228,6 +228,7 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
             mlp = [gu]
         else:   # slices j of column tile t on consecutive queues; ACT cuts each tile's columns
             gu_slices = [GateUp(layer=l, tile=t * gu_splits + j, row0=c, nrows=n, arg0=j, arg1=gu_splits,
+                                arg2=H // gu_splits,
                          waits=[(ready[2 * l + 1], nh)], signal=gu_part[l][t])
                   for t, (c, n) in enumerate(gu_tiles) for j in range(gu_splits)]
             gu = [Act(layer=l, row0=c + a, nrows=m, arg0=gu_splits, waits=[(gu_part[l][t], gu_splits)],

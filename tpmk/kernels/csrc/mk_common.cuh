@@ -145,12 +145,14 @@ __device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins,
       t = Tile{RowMap{W + (r0 * D + p0) * H, W + (r0 * D + D / 2 + p0) * H, n, (int)H}, (int)H, 2 * n};
       return true;
     }
-    case isa::OP_GATE_UP: {   // gate rows [r0, r0 + n), then the same up rows; with S = ARG1 > 1
-      // K slices, columns [j K, (j + 1) K) of them (j = ARG0, K = H / S)
-      const int S = max(1, ins[isa::F_ARG1]);
-      const size_t K = H / S, k0 = ins[isa::F_ARG0] * K;
-      const wtype* W = reinterpret_cast<const wtype*>(a.gate_up) + (size_t)l * 2 * I * H + k0;
-      t = Tile{RowMap{W + r0 * H, W + (I + r0) * H, n, (int)H}, (int)K, 2 * n};
+    case isa::OP_GATE_UP: {   // gate rows [r0, r0 + n), then the same up rows; split over K
+      // (ARG2 = K > 0 columns per slice), columns [j K, (j + 1) K) of them (j = ARG0). No
+      // division here: a 64-bit one (H / S) grew the kernel's stack frame from 216 to 288 bytes
+      // per thread, and batch 32 / 128 took 15.3 / 38.7 ms against 13.7 / 31.3 (H100).
+      const int K = ins[isa::F_ARG2] > 0 ? ins[isa::F_ARG2] : (int)H;
+      const wtype* W = reinterpret_cast<const wtype*>(a.gate_up) + (size_t)l * 2 * I * H +
+                       (size_t)ins[isa::F_ARG0] * K;
+      t = Tile{RowMap{W + r0 * H, W + (I + r0) * H, n, (int)H}, K, 2 * n};
       return true;
     }
     case isa::OP_O_PROJ: {
@@ -188,11 +190,12 @@ struct XSrc {
   const __nv_bfloat16* bf;
   const float* ssq;
   int nss;
-  // A K slice (gate_up split over K): x, bf and nw point at column k0 of the rows, whose
-  // RMSNorm is over all knorm columns (0: the slice is the whole row).
-  int k0 = 0, knorm = 0;
-  __device__ __forceinline__ XSrc slice(int k, int n) const {
-    return XSrc{x + k, ldx, nw ? nw + k : nw, bf + k, ssq, nss, k0 + k, n};
+  // A K slice (gate_up split over K): x, bf and nw point at column k0 of the rows. The RMSNorm
+  // is over the whole row, its ldx columns. (k0 sits in the struct's tail padding: a larger
+  // XSrc, which the ops keep on the stack for linear(), grew the kernel's stack frame.)
+  int k0 = 0;
+  __device__ __forceinline__ XSrc slice(int k) const {
+    return XSrc{x + k, ldx, nw ? nw + k : nw, bf + k, ssq, nss, k0 + k};
   }
 };
 
@@ -245,7 +248,7 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, floa
 }
 
 // xs[b][k] = rmsnorm(x[b0 + b]) * w (w may be null: plain copy), b < nb, k < K. A K slice
-// (knorm > 0): x and w point at column k0 of rows of knorm columns, and the norm is the row's.
+// (K < ldx): x and w point at column k0 of the rows, and the norm is the whole row's.
 // Latency-bound at batch 1: every load is a 16-byte vector and all of a thread's
 // loads of a pass are issued before any is used (K, ldx multiples of 8: host-checked).
 // At 256 threads K = 8192 takes two passes of x and two of norm weights. Tried and not kept:
@@ -256,7 +259,7 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, floa
 // the same 32 KB of x (and 16 KB of weights) at once, L2 bandwidth, not round trips, sets it.
 constexpr int NORM_VPT = 4;   // float4 of x per thread per pass
 __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0, int nb, int K,
-                            const wtype* w, float* xs, float* red, int k0 = 0, int knorm = 0) {
+                            const wtype* w, float* xs, float* red, int k0 = 0) {
   // Per-row arrays (ss, r) are indexed by loops unrolled over BATCH_CHUNK only, so they stay
   // in registers (a runtime index put them in local memory: a reload per use).
   float ss[BATCH_CHUNK] = {0.f, 0.f, 0.f, 0.f};
@@ -278,12 +281,12 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
       }
     }
   }
-  if (w != nullptr && knorm > 0)   // the rest of each row's sum of squares (outside the slice)
+  if (w != nullptr && K < ldx)   // the rest of each row's sum of squares (outside the slice)
 #pragma unroll
     for (int b = 0; b < BATCH_CHUNK; b++) {
       if (b >= nb) break;
       const float4* xr = reinterpret_cast<const float4*>(x - k0 + (size_t)(b0 + b) * ldx);
-      for (int k = threadIdx.x; k < knorm / 4; k += NTHREADS) {
+      for (int k = threadIdx.x; k < ldx / 4; k += NTHREADS) {
         if (k >= k0 / 4 && k < (k0 + K) / 4) continue;
         const float4 v = __ldcg(xr + k);
         ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
@@ -310,7 +313,7 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
   prof_mark(a, 4);
   float r[BATCH_CHUNK];
 #pragma unroll
-  for (int b = 0; b < BATCH_CHUNK; b++) r[b] = rsqrtf(ss[b] / (knorm > 0 ? knorm : K) + a.eps);
+  for (int b = 0; b < BATCH_CHUNK; b++) r[b] = rsqrtf(ss[b] / ldx + a.eps);   // ldx = K but in a K slice
   for (int k0 = threadIdx.x; k0 < K / 8; k0 += 2 * NTHREADS) {
     if (k0 != (int)threadIdx.x) load_w(k0);
 #pragma unroll

@@ -9,8 +9,9 @@ from tpmk.kernels.ops.base import Instruction
 
 class GateUp(Instruction):
     """Intermediate columns [row0, row0 + nrows): gate rows c and up rows I + c.
-    arg1 > 1 slices K (the hidden size) into arg1 equal parts: this tile takes slice arg0 and
-    writes its partial sums (RMSNorm of the whole row) to gu_part[arg0]; ACT sums the slices."""
+    arg1 > 1 slices K (the hidden size) into arg1 equal parts of arg2 columns: this tile takes
+    slice arg0 and writes its partial sums (RMSNorm of the whole row) to gu_part[arg0]; ACT sums
+    the slices."""
     opcode = Opcode.GATE_UP
     name = "gate_up"
 

@@ -1,6 +1,6 @@
 // gate_up: must match tpmk/kernels/ops/gate_up.py (GateUp). RMSNorm(x) @ gate rows
 // [ROW0, ROW0+NROWS) and up rows I + same; act = silu(gate) * up. Split over K (ARG1 = S > 1
-// slices): columns [ARG0 H / S, (ARG0 + 1) H / S) only, the partial sums -> gu_part[ARG0]
+// slices of ARG2 = H / S columns): columns [ARG0 H / S, (ARG0 + 1) H / S) only, the partial sums -> gu_part[ARG0]
 // (ops/act.cuh sums the slices).
 #pragma once
 #include "mk_linear.cuh"
@@ -14,7 +14,7 @@ __device__ LINEAR_OP void op_gate_up(const KernelArgs& a, const int* ins, const 
   Tile tile;
   linear_tile(a, ins, isa::OP_GATE_UP, tile);   // gate rows c0 + i, then up rows I + c0 + i
   XSrc src = normed_x(a, reinterpret_cast<const wtype*>(a.post_norm) + (size_t)l * H);
-  if (S > 1) src = src.slice(ins[isa::F_ARG0] * tile.K, H);
+  if (S > 1) src = src.slice(ins[isa::F_ARG0] * tile.K);
   float* act = reinterpret_cast<float*>(a.act);
   float* part = reinterpret_cast<float*>(a.gu_part) + (size_t)ins[isa::F_ARG0] * a.bucket * 2 * I;
   __nv_bfloat16* act_bf = reinterpret_cast<__nv_bfloat16*>(a.act_bf);   // for down's tensor cores
