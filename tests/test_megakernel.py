@@ -190,7 +190,8 @@ def test_batched_tensor_core_matvec(name, tp, bucket, batch):
                                                      ("llama-3.2-1b", 1, 24, 21, 4), ("llama-3.2-1b", 2, 8, 8, 2)])
 def test_gate_up_split_over_k(name, tp, bucket, batch, gu):
     """gate_up in `gu` K slices (partials to gu_part, ACT sums them) on both the CUDA-core
-    path (batch < 5, the norm's sum of squares over the whole row) and the tensor cores."""
+    path (batch < 5, the norm's sum of squares over the whole row) and the tensor cores; the
+    Megakernel builds such schedules with MK_GU_SPLIT."""
     if name == "tiny-gqa":
         cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
         _, shards = shards_for(cfg, tp, seed=9, dtype=torch.bfloat16)

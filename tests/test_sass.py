@@ -37,7 +37,8 @@ def test_spills_are_counted_per_source_line():
 # The default builds, and the tensor-core matvec's knobs set back (mk_mma.cuh: one m-tile per
 # warp, two activation chunk buffers, the default before 2026-12-07) so that they keep
 # compiling spill-free.
-BUILDS = [("bfloat16", ()), ("float32", ()), ("bfloat16", ("MMA_MT=1", "MMA_XD=2"))]
+BUILDS = [("bfloat16", ()), ("float32", ()), ("bfloat16", ("MMA_MT=1", "MMA_XD=2")),
+          ("bfloat16", ("MK_GU_SPLIT",))]   # the build of schedules that split gate_up over K
 
 
 @pytest.fixture(scope="module", params=BUILDS, ids=lambda b: "-".join((b[0],) + b[1]))
@@ -86,18 +87,18 @@ def test_matvec_inner_loops_have_no_register_spills(compiled):
 FRAME_MAX = {"bfloat16": 224, "float32": 128}
 
 
-@pytest.mark.parametrize("dtype", sorted(FRAME_MAX))
-def test_megakernel_stack_frame_stays_small(dtype):
+@pytest.mark.parametrize("dtype,defines", [("bfloat16", ()), ("float32", ()), ("bfloat16", ("MK_GU_SPLIT",))])
+def test_megakernel_stack_frame_stays_small(dtype, defines):
     pytest.importorskip("cuda.bindings.nvrtc")
     import torch
     try:
-        frames = sass.megakernel_frames(getattr(torch, dtype))
+        frames = sass.megakernel_frames(getattr(torch, dtype), defines)
     except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine (as compile_or_skip)
         if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
             pytest.skip(f"NVRTC library not installed: {e}")
         raise
     frame = frames["megakernel"][0]
-    assert 0 < frame <= FRAME_MAX[dtype], (f"the {dtype} megakernel's stack frame is {frame} bytes per "
+    assert 0 < frame <= FRAME_MAX[dtype], (f"the {dtype} {defines} megakernel's stack frame is {frame} bytes per "
                                            f"thread (at most {FRAME_MAX[dtype]}): {frames}")
 
 

@@ -177,8 +177,9 @@ KERNEL_ARGS: list[tuple[str, str, int]] = [
     ("q", PTR, 1),                                  # [bucket, Hq * D] f32
     ("attn_part", PTR, 1),                          # [bucket, Hq, splits, D + 2] f32
     ("attn_out", PTR, 1),                           # [bucket, Hq * D] f32 merged attention
-    ("act", PTR, 1),                                # [bucket, I] f32
-    ("gu_part", PTR, 1),                            # [gu_splits, bucket, 2 I] f32 K-slice partials (or 0)
+    ("act", PTR, 1),                                # [bucket, I] f32; a schedule that splits gate_up
+                                                    # over K puts its partials right after it:
+                                                    # gu_part [gu_splits, bucket, 2 I] f32
     # Tensor-core inputs (batch >= MMA_MIN_BATCH), written by their producers rounded to bf16
     # so the matvecs copy them straight into shared memory.
     ("attn_bf", PTR, 1),                            # attn_out as [bucket, Hq * D] bf16

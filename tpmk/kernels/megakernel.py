@@ -64,6 +64,15 @@ def kernel_macros(defines: tuple[str, ...] = ()) -> tuple[str, ...]:
     return macros
 
 
+def act_and_gu_part(bucket: int, inter: int, gu_splits: int, dev) -> torch.Tensor:
+    """act [bucket, inter] f32, a view of one allocation that also holds gate_up's K-slice
+    partials right after it when the schedule splits gate_up (gu_part [gu_splits, bucket,
+    2 inter], ops/act.cuh): no KernelArgs member of its own, so the default build's kernel is
+    bff8434's, byte for byte."""
+    extra = gu_splits * bucket * 2 * inter if gu_splits > 1 else 0
+    return torch.zeros(bucket * inter + extra, dtype=torch.float32, device=dev)[:bucket * inter].view(bucket, inter)
+
+
 def out_words(sched: Schedule) -> int:
     """f32 words per batch row after linear()'s inputs: its outputs ([rows] of the largest tile)."""
     return max(2 * i.nrows if i.name in ("qkv", "gate_up") else i.nrows
@@ -169,6 +178,8 @@ class Megakernel:
             defines = (*defines, "MK_SYS_SCOPE")
         elif not loopback and n_local != sched.tp:
             raise ValueError(f"virtual TP needs all tp={sched.tp} shards in one process, got {n_local}")
+        if sched.gu_splits > 1:   # the K-split gate_up's code only where a schedule uses it
+            defines = (*defines, "MK_GU_SPLIT")
         if loopback and sched.reduce != "oneshot":
             raise ValueError(f"loopback runs one rank alone, but reduce={sched.reduce!r} needs the "
                              f"other ranks' owner tiles; build the schedule with reduce='oneshot'")
@@ -216,8 +227,7 @@ class Megakernel:
                 q=torch.zeros(B, hq * D, **f32),
                 attn_part=torch.zeros(B, hq, sched.num_splits, D + 2, **f32),
                 attn_out=torch.zeros(B, hq * D, **f32),
-                act=torch.zeros(B, inter, **f32), logits=torch.zeros(B, vp, **f32),
-                gu_part=torch.zeros(sched.gu_splits, B, 2 * inter, **f32) if sched.gu_splits > 1 else None,
+                act=act_and_gu_part(B, inter, sched.gu_splits, dev), logits=torch.zeros(B, vp, **f32),
                 attn_bf=torch.zeros(B, hq * D, device=dev, dtype=torch.bfloat16),
                 act_bf=torch.zeros(B, inter, device=dev, dtype=torch.bfloat16),
                 tokens_out=torch.zeros(B, dtype=torch.int32, device=dev),

@@ -86,7 +86,6 @@ struct KernelArgs {
   unsigned long long attn_part;
   unsigned long long attn_out;
   unsigned long long act;
-  unsigned long long gu_part;
   unsigned long long attn_bf;
   unsigned long long act_bf;
   unsigned long long logits;
@@ -129,4 +128,4 @@ struct KernelArgs {
   float attn_scale;
   int attn_chunk;
 };
-static_assert(sizeof(KernelArgs) == 792, "KernelArgs drifted from isa.py");
+static_assert(sizeof(KernelArgs) == 784, "KernelArgs drifted from isa.py");

@@ -14,7 +14,9 @@
 #include "ops/attention.cuh"
 #include "ops/o_proj.cuh"
 #include "ops/gate_up.cuh"
+#ifdef MK_GU_SPLIT
 #include "ops/act.cuh"
+#endif
 #include "ops/down.cuh"
 #include "ops/lm_head.cuh"
 #include "ops/argmax.cuh"
@@ -73,7 +75,9 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       case isa::OP_O_PROJ: op_o_proj(a, ins, hdr, smem); break;
       case isa::OP_RESIDUAL: op_residual(a, ins, hdr, smem); break;
       case isa::OP_GATE_UP: op_gate_up(a, ins, hdr, smem); break;
+#ifdef MK_GU_SPLIT   // gate_up split over K (Megakernel builds with it for such schedules only)
       case isa::OP_ACT: op_act(a, ins, hdr, smem); break;
+#endif
       case isa::OP_DOWN: op_down(a, ins, hdr, smem); break;
       case isa::OP_LM_HEAD: op_lm_head(a, ins, hdr, smem); break;
       case isa::OP_ARGMAX: op_argmax(a, ins, hdr, smem); break;

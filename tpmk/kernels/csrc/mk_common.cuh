@@ -145,14 +145,18 @@ __device__ __forceinline__ bool linear_tile(const KernelArgs& a, const int* ins,
       t = Tile{RowMap{W + (r0 * D + p0) * H, W + (r0 * D + D / 2 + p0) * H, n, (int)H}, (int)H, 2 * n};
       return true;
     }
-    case isa::OP_GATE_UP: {   // gate rows [r0, r0 + n), then the same up rows; split over K
-      // (ARG2 = K > 0 columns per slice), columns [j K, (j + 1) K) of them (j = ARG0). No
-      // division here: a 64-bit one (H / S) grew the kernel's stack frame from 216 to 288 bytes
-      // per thread, and batch 32 / 128 took 15.3 / 38.7 ms against 13.7 / 31.3 (H100).
+    case isa::OP_GATE_UP: {   // gate rows [r0, r0 + n), then the same up rows
+#ifdef MK_GU_SPLIT   // split over K (ARG2 = K > 0 columns per slice): columns [j K, (j + 1) K)
+      // of them (j = ARG0). No division here: a 64-bit one (H / S) grew the kernel's stack
+      // frame from 216 to 288 bytes per thread.
       const int K = ins[isa::F_ARG2] > 0 ? ins[isa::F_ARG2] : (int)H;
       const wtype* W = reinterpret_cast<const wtype*>(a.gate_up) + (size_t)l * 2 * I * H +
                        (size_t)ins[isa::F_ARG0] * K;
       t = Tile{RowMap{W + r0 * H, W + (I + r0) * H, n, (int)H}, K, 2 * n};
+#else
+      const wtype* W = reinterpret_cast<const wtype*>(a.gate_up) + (size_t)l * 2 * I * H;
+      t = Tile{RowMap{W + r0 * H, W + (I + r0) * H, n, (int)H}, (int)H, 2 * n};
+#endif
       return true;
     }
     case isa::OP_O_PROJ: {
@@ -190,6 +194,7 @@ struct XSrc {
   const __nv_bfloat16* bf;
   const float* ssq;
   int nss;
+#ifdef MK_GU_SPLIT
   // A K slice (gate_up split over K): x, bf and nw point at column k0 of the rows. The RMSNorm
   // is over the whole row, its ldx columns. (k0 sits in the struct's tail padding: a larger
   // XSrc, which the ops keep on the stack for linear(), grew the kernel's stack frame.)
@@ -197,6 +202,7 @@ struct XSrc {
   __device__ __forceinline__ XSrc slice(int k) const {
     return XSrc{x + k, ldx, nw ? nw + k : nw, bf + k, ssq, nss, k0 + k};
   }
+#endif
 };
 
 // The residual stream x as the input of the RMSNorm with weight nw that the last residual
@@ -260,6 +266,7 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* bf, size_t off, floa
 constexpr int NORM_VPT = 4;   // float4 of x per thread per pass
 __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0, int nb, int K,
                             const wtype* w, float* xs, float* red, int k0 = 0) {
+  (void)k0;   // a K slice's offset (MK_GU_SPLIT)
   // Per-row arrays (ss, r) are indexed by loops unrolled over BATCH_CHUNK only, so they stay
   // in registers (a runtime index put them in local memory: a reload per use).
   float ss[BATCH_CHUNK] = {0.f, 0.f, 0.f, 0.f};
@@ -281,6 +288,7 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
       }
     }
   }
+#ifdef MK_GU_SPLIT
   if (w != nullptr && K < ldx)   // the rest of each row's sum of squares (outside the slice)
 #pragma unroll
     for (int b = 0; b < BATCH_CHUNK; b++) {
@@ -292,6 +300,10 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
         ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
       }
     }
+  const int knorm = ldx;   // the row's length: K but in a K slice
+#else
+  const int knorm = K;
+#endif
   prof_mark(a, 3);
   if (w == nullptr) { __syncthreads(); return; }
   // Norm weights (16 bytes = 8 per load): the first pass's loads overlap the block reduction.
@@ -313,7 +325,7 @@ __device__ void load_normed(const KernelArgs& a, const float* x, int ldx, int b0
   prof_mark(a, 4);
   float r[BATCH_CHUNK];
 #pragma unroll
-  for (int b = 0; b < BATCH_CHUNK; b++) r[b] = rsqrtf(ss[b] / ldx + a.eps);   // ldx = K but in a K slice
+  for (int b = 0; b < BATCH_CHUNK; b++) r[b] = rsqrtf(ss[b] / knorm + a.eps);
   for (int k0 = threadIdx.x; k0 < K / 8; k0 += 2 * NTHREADS) {
     if (k0 != (int)threadIdx.x) load_w(k0);
 #pragma unroll

@@ -30,7 +30,11 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   float* xs = base;
   float* outs = xs + min(BATCH_CHUNK, a.bucket) * a.kmax;   // [nb][nrows] (megakernel.smem_bytes)
   prof_mark(a, 5);
+#ifdef MK_GU_SPLIT
   load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red, src.k0);
+#else
+  load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red);
+#endif
   prof_mark(a, 1);
   matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v; });
   __syncthreads();

@@ -273,7 +273,11 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
       if (r >= nrows || b >= nb) continue;
       float v = 0.f;
       for (int p = 0; p < ks; p++) v += part[((((m / MT * ks + p) * MT + m % MT) * NT + n) * 4 + i) * 32 + ln];
+#ifdef MK_GU_SPLIT
       if (src.nw) v *= rsqrtf(ss[b] / src.ldx + a.eps);   // the whole row's norm (a K slice's too)
+#else
+      if (src.nw) v *= rsqrtf(ss[b] / K + a.eps);
+#endif
       outs[b * nrows + r] = v;
     }
     __syncthreads();   // part is read; the next m-tile pass refills the buffers under it

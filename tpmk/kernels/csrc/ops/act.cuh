@@ -8,7 +8,7 @@ __device__ void op_act(const KernelArgs& a, const int* ins, const int* hdr, floa
   const int batch = step_batch(), c0 = ins[isa::F_ROW0], n4 = ins[isa::F_NROWS] / 4, S = ins[isa::F_ARG0];
   const int I = a.inter;
   const size_t slice = (size_t)a.bucket * 2 * I;   // f32 words per K slice
-  const float4* part = reinterpret_cast<const float4*>(a.gu_part);
+  const float4* part = reinterpret_cast<const float4*>(gu_part(a));
   float* act = reinterpret_cast<float*>(a.act);
   __nv_bfloat16* act_bf = reinterpret_cast<__nv_bfloat16*>(a.act_bf);
   const bool mma = mma_batch(batch);
