@@ -55,27 +55,34 @@ def test_engine_matches_hf_greedy(name, tp, reduce):
 
 
 
-def test_tensor_core_batch_takes_bf16_inputs_within_bf16_tolerance_of_hf():
-    """bf16 weights at batch >= MMA_MIN_BATCH: the interpreter rounds every matvec input to
-    bf16 as the megakernel's tensor cores do (the RMSNorm's 1 / rms applied after the dot);
-    HF float32 on the same bf16-rounded weights still agrees within bf16 tolerance."""
+def _bf16_batch_against_hf(seed: int, B: int, steps: int, order: str = "program", **sched_kw):
+    """tiny-gqa tp 2 with bf16 weights, B lockstep sequences of `steps` tokens (batch >=
+    MMA_MIN_BATCH: bf16 matvec inputs) on the interpreter, against HF float32 on the same
+    bf16-rounded weights: within bf16 tolerance, same argmax."""
     cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
-    model, shards = shards_for(cfg, 2, seed=3, dtype=torch.bfloat16)
+    model, shards = shards_for(cfg, 2, seed=seed, dtype=torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    B = MMA_MIN_BATCH + 1
-    prompts = [[5 + 7 * b, 17, 300 - b, 42, 9] for b in range(B)]
+    prompts = [[5 + 7 * b, 17, 300 - b, 42, 9][:steps] for b in range(B)]
     kc, vc = empty_caches(cfg, 2, num_pages=2 * B, page_size=PAGE, dtype=torch.bfloat16)
-    vm = VM(cfg, build_schedule(cfg, 2, B, 8), shards, kc, vc)
-    for pos in range(len(prompts[0])):
-        vm.step([p[pos] for p in prompts], [pos] * B, [[2 * b, 2 * b + 1] for b in range(B)])
+    vm = VM(cfg, build_schedule(cfg, 2, B, 8, **sched_kw), shards, kc, vc)
+    for pos in range(steps):
+        vm.step([p[pos] for p in prompts], [pos] * B, [[2 * b, 2 * b + 1] for b in range(B)],
+                order=order, seed=pos, poison=order != "program")
     assert vm.tensor_cores
     with torch.no_grad():
         want = model(torch.tensor(prompts)).logits[:, -1]
     got = vm.logits()
     assert float((got - want).abs().max() / want.abs().max()) < 3e-2
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_tensor_core_batch_takes_bf16_inputs_within_bf16_tolerance_of_hf():
+    """bf16 weights at batch >= MMA_MIN_BATCH: the interpreter rounds every matvec input to
+    bf16 as the megakernel's tensor cores do (the RMSNorm's 1 / rms applied after the dot);
+    HF float32 on the same bf16-rounded weights still agrees within bf16 tolerance."""
+    _bf16_batch_against_hf(seed=3, B=MMA_MIN_BATCH + 1, steps=5)
 
 
 @pytest.mark.parametrize("qkv_pairs", [1, 3, 8])
@@ -120,24 +127,7 @@ def test_gate_up_split_over_k_matches_hf(gu_splits, tp, sms):
 def test_gate_up_split_over_k_on_tensor_cores_within_bf16_tolerance_of_hf():
     """The bf16 path (batch >= MMA_MIN_BATCH) of a K-split gate_up: each slice of x * norm_w
     rounded to bf16, 1 / rms of the whole row after the dot products."""
-    cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
-    model, shards = shards_for(cfg, 2, seed=6, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    B = MMA_MIN_BATCH + 2
-    prompts = [[5 + 7 * b, 17, 300 - b, 42] for b in range(B)]
-    kc, vc = empty_caches(cfg, 2, num_pages=2 * B, page_size=PAGE, dtype=torch.bfloat16)
-    vm = VM(cfg, build_schedule(cfg, 2, B, 8, gu_splits=4), shards, kc, vc)
-    for pos in range(len(prompts[0])):
-        vm.step([p[pos] for p in prompts], [pos] * B, [[2 * b, 2 * b + 1] for b in range(B)],
-                order="adversarial", seed=pos, poison=True)
-    assert vm.tensor_cores
-    with torch.no_grad():
-        want = model(torch.tensor(prompts)).logits[:, -1]
-    got = vm.logits()
-    assert float((got - want).abs().max() / want.abs().max()) < 3e-2
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    _bf16_batch_against_hf(seed=6, B=MMA_MIN_BATCH + 2, steps=4, order="adversarial", gu_splits=4)
 
 
 def _vm(name, tp, bucket, num_sms, seed=0, reduce="oneshot", splits=0, gu_splits=1):

@@ -165,6 +165,19 @@ def test_llama_1b_shapes(tp):
     print(f"llama-3.2-1b shapes (2 layers) tp{tp}: max rel logit err {worst:.2e}")
 
 
+def _batch_case(name, tp, batch, seed):
+    """(cfg, bf16 shards, `batch` random prompts of 1-4 tokens): tiny-gqa from an HF model, or
+    a model's shapes (2 layers) with random weights."""
+    if name == "tiny-gqa":
+        cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
+        _, shards = shards_for(cfg, tp, seed=seed, dtype=torch.bfloat16)
+    else:
+        cfg = ModelConfig.from_name(name).replace(num_hidden_layers=2)
+        shards = random_shards(cfg, tp, seed=seed)
+    g = torch.Generator().manual_seed(batch)
+    return cfg, shards, [torch.randint(3, cfg.vocab_size, (1 + b % 4,), generator=g).tolist() for b in range(batch)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,tp,bucket,batch", [("tiny-gqa", 2, 72, 70), ("tiny-gqa", 2, 136, 133),
                                                    ("llama-3.2-1b", 1, 24, 21)])
@@ -172,14 +185,7 @@ def test_batched_tensor_core_matvec(name, tp, bucket, batch):
     """batch >= 5 runs the tensor-core matvec (mk_mma.cuh): several batch passes (133 rows:
     a full MMA_PASS of 16 n-tiles, then 5 rows), every n-tile count, several K chunks (1b:
     K = 2048 and 8192), batch shrinking below 5 at the end."""
-    if name == "tiny-gqa":
-        cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
-        _, shards = shards_for(cfg, tp, seed=7, dtype=torch.bfloat16)
-    else:
-        cfg = ModelConfig.from_name(name).replace(num_hidden_layers=2)
-        shards = random_shards(cfg, tp, seed=4)
-    g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(3, cfg.vocab_size, (1 + b % 4,), generator=g).tolist() for b in range(batch)]
+    cfg, shards, prompts = _batch_case(name, tp, batch, seed=7 if name == "tiny-gqa" else 4)
     vm, mk = _pair(cfg, tp, bucket, shards)
     worst = _compare_run(vm, mk, prompts, 3, f"{name} tp{tp} batch {batch}")
     print(f"{name} tp{tp} batch {batch}: max rel logit err {worst:.2e}")
@@ -192,14 +198,7 @@ def test_gate_up_split_over_k(name, tp, bucket, batch, gu):
     """gate_up in `gu` K slices (partials to gu_part, ACT sums them) on both the CUDA-core
     path (batch < 5, the norm's sum of squares over the whole row) and the tensor cores; the
     Megakernel builds such schedules with MK_GU_SPLIT."""
-    if name == "tiny-gqa":
-        cfg = ModelConfig.from_name(name).replace(dtype="bfloat16")
-        _, shards = shards_for(cfg, tp, seed=9, dtype=torch.bfloat16)
-    else:
-        cfg = ModelConfig.from_name(name).replace(num_hidden_layers=2)
-        shards = random_shards(cfg, tp, seed=5)
-    g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(3, cfg.vocab_size, (1 + b % 4,), generator=g).tolist() for b in range(batch)]
+    cfg, shards, prompts = _batch_case(name, tp, batch, seed=9 if name == "tiny-gqa" else 5)
     vm, mk = _pair(cfg, tp, bucket, shards, gu_splits=gu)
     assert any(i.name == "act" for i in mk.sched.instructions)
     worst = _compare_run(vm, mk, prompts, 4, f"{name} tp{tp} batch {batch} gate_up / {gu}")
