@@ -67,8 +67,8 @@ def kernel_macros(defines: tuple[str, ...] = ()) -> tuple[str, ...]:
 def act_and_gu_part(bucket: int, inter: int, gu_splits: int, dev) -> torch.Tensor:
     """act [bucket, inter] f32, a view of one allocation that also holds gate_up's K-slice
     partials right after it when the schedule splits gate_up (gu_part [gu_splits, bucket,
-    2 inter], ops/act.cuh): no KernelArgs member of its own, so the default build's kernel is
-    bff8434's, byte for byte."""
+    2 inter], ops/act.cuh): no KernelArgs member of its own, so the default build compiles to
+    the instructions it had before the split existed (bff8434's SASS)."""
     extra = gu_splits * bucket * 2 * inter if gu_splits > 1 else 0
     return torch.zeros(bucket * inter + extra, dtype=torch.float32, device=dev)[:bucket * inter].view(bucket, inter)
 
