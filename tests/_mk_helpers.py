@@ -152,13 +152,18 @@ def compile_or_skip(dtype: str, cache_dir, defines: tuple[str, ...] = ()) -> byt
     """The megakernel's sm_90a cubin of `dtype` ("bfloat16" | "float32") with kernel macros
     `defines`, compiled on this machine by NVRTC (no GPU needed) into cache_dir; skips where
     NVRTC is not installed."""
-    pytest.importorskip("cuda.bindings.nvrtc")
     from tpmk.kernels.megakernel import compile_megakernel
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TPMK_CACHE", str(cache_dir))
-        try:
-            return compile_megakernel(getattr(torch, dtype), defines=defines)
-        except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine
-            if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
-                pytest.skip(f"NVRTC library not installed: {e}")
-            raise
+        return nvrtc_or_skip(compile_megakernel, getattr(torch, dtype), defines=defines)
+
+
+def nvrtc_or_skip(fn, *args, **kwargs):
+    """fn(*args, **kwargs), an NVRTC compile; skips where NVRTC is not installed."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine
+        if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
+            pytest.skip(f"NVRTC library not installed: {e}")
+        raise

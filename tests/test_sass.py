@@ -5,7 +5,7 @@ residual's batch-1 loop, in the bf16 and the f32 build, and in the build with th
 matvec's knobs set back (one m-tile per warp, two chunk buffers)."""
 import pytest
 
-from _mk_helpers import compile_or_skip
+from _mk_helpers import compile_or_skip, nvrtc_or_skip
 from tpmk.kernels import sass
 from tpmk.kernels.build import CSRC
 
@@ -89,14 +89,8 @@ FRAME_MAX = {"bfloat16": 224, "float32": 128}
 
 @pytest.mark.parametrize("dtype,defines", [("bfloat16", ()), ("float32", ()), ("bfloat16", ("MK_GU_SPLIT",))])
 def test_megakernel_stack_frame_stays_small(dtype, defines):
-    pytest.importorskip("cuda.bindings.nvrtc")
     import torch
-    try:
-        frames = sass.megakernel_frames(getattr(torch, dtype), defines)
-    except Exception as e:  # noqa: BLE001 - no libnvrtc on this machine (as compile_or_skip)
-        if "libnvrtc" in str(e) or "DynamicLibNotFound" in type(e).__name__:
-            pytest.skip(f"NVRTC library not installed: {e}")
-        raise
+    frames = nvrtc_or_skip(sass.megakernel_frames, getattr(torch, dtype), defines)
     frame = frames["megakernel"][0]
     assert 0 < frame <= FRAME_MAX[dtype], (f"the {dtype} {defines} megakernel's stack frame is {frame} bytes per "
                                            f"thread (at most {FRAME_MAX[dtype]}): {frames}")
@@ -109,7 +103,6 @@ def test_stack_frames_are_read_from_the_ptxas_report():
               "ptxas info    : Function properties for _Z6linearRK10KernelArgs\n"
               "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
     assert sass.stack_frames(report) == {"megakernel": (288, 24, 44), "_Z6linearRK10KernelArgs": (0, 0, 0)}
-
 
 
 def test_only_the_split_build_carries_the_k_split_code(compiled, request):

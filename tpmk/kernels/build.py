@@ -110,8 +110,7 @@ def compile_to_cubin(source_or_path, name: str | None = None, options=(), arch: 
                      use_cache: bool = True) -> bytes:
     """CUDA C++ (text, or a path to a .cu file) -> cubin bytes for `arch`."""
     src, prog_name, roots = _read_source(source_or_path, name)
-    opts = [f"--gpu-architecture={arch}", *BASE_OPTIONS, *options]
-    opts += [f"-I{d}" for d in include_dirs()]
+    opts = _nvrtc_options(arch, options)
     key = _cache_key(src, opts, arch, roots)
     cache = cache_dir() / f"{Path(prog_name).stem}_{arch}_{key}.cubin"
     if use_cache and cache.exists():
@@ -123,6 +122,10 @@ def compile_to_cubin(source_or_path, name: str | None = None, options=(), arch: 
         tmp.write_bytes(cubin)
         tmp.replace(cache)   # atomic: concurrent ranks may compile the same source
     return cubin
+
+
+def _nvrtc_options(arch: str, options) -> list[str]:
+    return [f"--gpu-architecture={arch}", *BASE_OPTIONS, *options, *(f"-I{d}" for d in include_dirs())]
 
 
 def _nvrtc(src: str, prog_name: str, opts: list[str], arch: str, options) -> tuple[bytes, str]:
@@ -151,9 +154,7 @@ def ptxas_report(source_or_path, name: str | None = None, options=(), arch: str 
     """ptxas's -v report of one compile (not cached): per function its stack frame, spill
     bytes and registers (tpmk.kernels.sass.stack_frames reads it)."""
     src, prog_name, _ = _read_source(source_or_path, name)
-    opts = [f"--gpu-architecture={arch}", *BASE_OPTIONS, *options, "--ptxas-options=-v"]
-    opts += [f"-I{d}" for d in include_dirs()]
-    return _nvrtc(src, prog_name, opts, arch, options)[1]
+    return _nvrtc(src, prog_name, _nvrtc_options(arch, (*options, "--ptxas-options=-v")), arch, options)[1]
 
 
 def ensure_context(device: int | None = None):

@@ -222,22 +222,21 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         o = [OProj(layer=l, tile=j, row0=c, nrows=n, waits=[(attn_done[l], len(attn))],
                    signal=arrive[2 * l + 1][j], signal_peers=not rsag, owner=rsag)
              for j, (c, n) in enumerate(h_tiles)]
+        # mlp: gate_up, or its K slices then ACT; the last stage signals gu_done[l]
         if gu_splits == 1:
-            gu = [GateUp(layer=l, tile=t, row0=c, nrows=n, waits=[(ready[2 * l + 1], nh)],
-                         signal=gu_done[l]) for t, (c, n) in enumerate(gu_tiles)]
-            mlp = [gu]
+            mlp = [[GateUp(layer=l, tile=t, row0=c, nrows=n, waits=[(ready[2 * l + 1], nh)],
+                           signal=gu_done[l]) for t, (c, n) in enumerate(gu_tiles)]]
         else:   # slices j of column tile t on consecutive queues; ACT cuts each tile's columns
-            gu_slices = [GateUp(layer=l, tile=t * gu_splits + j, row0=c, nrows=n, arg0=j, arg1=gu_splits,
-                                arg2=H // gu_splits,
-                         waits=[(ready[2 * l + 1], nh)], signal=gu_part[l][t])
-                  for t, (c, n) in enumerate(gu_tiles) for j in range(gu_splits)]
-            gu = [Act(layer=l, row0=c + a, nrows=m, arg0=gu_splits, waits=[(gu_part[l][t], gu_splits)],
-                      signal=gu_done[l])
-                  for t, (c, n) in enumerate(gu_tiles) for a, m in _tiles(n, gu_splits, 4)]
-            for t, ins in enumerate(gu):
+            slices = [GateUp(layer=l, tile=t * gu_splits + j, row0=c, nrows=n, arg0=j, arg1=gu_splits,
+                             arg2=H // gu_splits, waits=[(ready[2 * l + 1], nh)], signal=gu_part[l][t])
+                      for t, (c, n) in enumerate(gu_tiles) for j in range(gu_splits)]
+            act = [Act(layer=l, row0=c + a, nrows=m, arg0=gu_splits, waits=[(gu_part[l][t], gu_splits)],
+                       signal=gu_done[l])
+                   for t, (c, n) in enumerate(gu_tiles) for a, m in _tiles(n, gu_splits, 4)]
+            for t, ins in enumerate(act):
                 ins.tile = t
-            mlp = [gu_slices, gu]
-        dn = [Down(layer=l, tile=j, row0=c, nrows=n, waits=[(gu_done[l], len(gu))],
+            mlp = [slices, act]
+        dn = [Down(layer=l, tile=j, row0=c, nrows=n, waits=[(gu_done[l], len(mlp[-1]))],
                    signal=arrive[2 * l + 2][j], signal_peers=not rsag, owner=rsag)
               for j, (c, n) in enumerate(h_tiles)]
         stages += [qkv, attn, o, residual_stage(2 * l + 1), *mlp, dn, residual_stage(2 * l + 2)]
