@@ -37,7 +37,7 @@ class RankState:
     attn_part: torch.Tensor        # [bucket, Hq, splits, D + 2]
     attn_out: torch.Tensor         # [bucket, Hq * D] merged by each group's last split
     act: torch.Tensor              # [bucket, I]
-    gu_part: torch.Tensor          # [gu_splits, bucket, 2 I] gate_up's K-slice partials
+    gu_part: torch.Tensor          # [gu_splits, bucket, 2 I] gate_up's K-slice partials (empty unsplit)
     logits: torch.Tensor           # [bucket, Vp]
     tokens_out: torch.Tensor       # [bucket] int64
     topk_values: torch.Tensor      # [bucket, TOPK] f32, value desc then id asc
@@ -84,7 +84,7 @@ class VM:
             attn_part=torch.zeros(B, self.q_heads, sched.num_splits, D + 2, **f32),
             attn_out=torch.zeros(B, self.q_heads * D, **f32),
             act=torch.zeros(B, self.inter, **f32),
-            gu_part=torch.zeros(sched.gu_splits, B, 2 * self.inter, **f32), logits=torch.zeros(B, vp, **f32),
+            gu_part=torch.zeros(sched.gu_splits if sched.gu_splits > 1 else 0, B, 2 * self.inter, **f32), logits=torch.zeros(B, vp, **f32),
             tokens_out=torch.zeros(B, dtype=torch.int64),
             topk_values=torch.zeros(B, TOPK, **f32), topk_ids=torch.zeros(B, TOPK, dtype=torch.int64),
             attn_slots=torch.zeros(self.tp, B, H, **f32), mlp_slots=torch.zeros(self.tp, B, H, **f32),
