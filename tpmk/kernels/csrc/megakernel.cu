@@ -81,14 +81,6 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       case isa::OP_DOWN: op_down(a, ins, hdr, smem); break;
       case isa::OP_LM_HEAD: op_lm_head(a, ins, hdr, smem); break;
       case isa::OP_ARGMAX: op_argmax(a, ins, hdr, smem); break;
-#ifdef MK_PAD_CODE   // code-layout probe: opcodes no schedule uses, with more copies of inlined op
-      // bodies, so that the kernel's code grows and moves and nothing else changes (README,
-      // "Seventeenth session": adding code slowed the tensor-core ops, cause unknown)
-      case 250: op_gate_up(a, ins, hdr, smem); break;
-#if MK_PAD_CODE > 1
-      case 251: op_qkv(a, ins, hdr, smem); break;
-#endif
-#endif
       default:
         if (threadIdx.x == 0) {
           int* e = reinterpret_cast<int*>(a.error);

@@ -196,14 +196,8 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[j][n][i] = 0.f;
     uint4 ca[MT * U], cb[MT * U];
-#ifdef MMA_STAGE_FIRST   // trial: the first chunks' copies ahead of the first weight group (the
-    // first chunk lands 4-8 us after a tile's entry at batch 32: README, seventeenth session)
-    for (int c = 0; c < XD - 1; c++) stage(c);
-    load_group(0, ca, cb);
-#else
     load_group(0, ca, cb);
     for (int c = 0; c < XD - 1; c++) stage(c);
-#endif
     if (src.nw && mt0 == 0) {   // row b's sum of squares: its residual tiles' partials in fixed
       // order; a warp's rows b = warp + r NWARPS load together (one round trip per 32 partials)
       constexpr int R = MMA_PASS / NWARPS;
