@@ -51,8 +51,7 @@ class RankState:
 
     def poison(self) -> None:
         for t in (self.x, self.q, self.attn_part, self.attn_out, self.act, self.gu_part, self.logits,
-                  self.topk_values,
-                  self.attn_slots, self.mlp_slots, self.cand):
+                  self.topk_values, self.attn_slots, self.mlp_slots, self.cand):
             t.fill_(float("nan"))
         self.tokens_out.fill_(-1)
         self.topk_ids.fill_(-1)
@@ -84,7 +83,8 @@ class VM:
             attn_part=torch.zeros(B, self.q_heads, sched.num_splits, D + 2, **f32),
             attn_out=torch.zeros(B, self.q_heads * D, **f32),
             act=torch.zeros(B, self.inter, **f32),
-            gu_part=torch.zeros(sched.gu_splits if sched.gu_splits > 1 else 0, B, 2 * self.inter, **f32), logits=torch.zeros(B, vp, **f32),
+            gu_part=torch.zeros(sched.gu_splits if sched.gu_splits > 1 else 0, B, 2 * self.inter, **f32),
+            logits=torch.zeros(B, vp, **f32),
             tokens_out=torch.zeros(B, dtype=torch.int64),
             topk_values=torch.zeros(B, TOPK, **f32), topk_ids=torch.zeros(B, TOPK, dtype=torch.int64),
             attn_slots=torch.zeros(self.tp, B, H, **f32), mlp_slots=torch.zeros(self.tp, B, H, **f32),

@@ -152,9 +152,10 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
       slices, ~num_sms / S column tiles of S times the columns each take 1 / S of K, write
       partial sums, and an ACT stage sums them (fixed order) into silu(gate) * up: 1 / S of
       the activation reads, for one more stage (bench/decode.py --gu-splits). 70B tp=8 rank,
-      H100, batch 128, ctx 1024 (2026-12-07): S = 2 took gate_up from 104.6 to 94.7 us per
-      layer, ACT added 5.5, the step 0.6 % shorter; S = 4 needs two batch passes there and
-      took the step from 29.5 to 37.4 ms. Not worth a second compiled kernel: default 1.
+      H100, batch 128, ctx 1024 (2026-12-07, traces): S = 2 took gate_up from 104.6 to 94.7 us
+      per layer, ACT added 5.5, the traced step 0.6 % shorter; S = 4 needs two batch passes
+      there and took the traced step from 29.5 to 37.4 ms (timed: 31.80 -> 40.04). Not worth
+      a second compiled kernel: default 1.
     """
     if bucket < 1 or num_sms < 1:
         raise ValueError(f"bucket={bucket} and num_sms={num_sms} must be >= 1")
