@@ -245,7 +245,13 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     } else
 #endif
     {   // scores
+#ifdef MK_ATTN_SPREAD   // trial: a chunk of cn < CH tokens takes NTHREADS / W head phases, W >= cn
+      int W = 8;        // (at batch 1, ctx 1024: 32 tokens per split, half the threads idle)
+      while (W < cn) W *= 2;
+      const int t = threadIdx.x % W, P = NTHREADS / W;
+#else
       const int t = threadIdx.x % CH, P = NTHREADS / CH;
+#endif
       if (t < cn)
         for (int h = threadIdx.x / CH; h < G; h += P) {
           const float4* qh = reinterpret_cast<const float4*>(qs + h * D);
