@@ -13,48 +13,6 @@ __device__ __forceinline__ int linear_chunk(int batch, int nrows) {
   return BATCH_CHUNK;
 }
 
-#if defined(MK_NORM_LATE) && defined(MK_HAS_MMA) && !defined(MK_GU_SPLIT)
-// Trial MK_NORM_LATE (compiled out; README, next experiments): below MMA_MIN_BATCH too, a
-// normed op reads the residual's xn (x times the norm's weight in bf16: 16 KB of an 8192-wide
-// row, against load_normed's 32 KB of x and 16 KB of weights that every SM of the stage reads
-// at once) into xs as f32, and scale[b] = rsqrt(mean x^2 + eps) from the residual tiles'
-// partial sums of squares (nss per row, fixed order); linear() scales the outputs by it, so
-// no load -> reduce -> load chain runs before the matvec.
-constexpr int XN_VPT = 4;   // 16-byte loads of xn per thread per pass
-__device__ void load_xn(const KernelArgs& a, const XSrc& src, int b0, int nb, int K, float* xs, float* scale) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;   // warp b: row b's sum of squares
-  float s = 0.f;
-  if (warp < nb)
-    for (int j = lane; j < src.nss; j += 32) s += ld_act(src.ssq + (size_t)(b0 + warp) * src.nss + j);
-  const int K8 = K / 8;
-#pragma unroll
-  for (int b = 0; b < BATCH_CHUNK; b++) {
-    if (b >= nb) break;
-    const uint4* xr = reinterpret_cast<const uint4*>(src.bf + (size_t)(b0 + b) * src.ldx);
-    float4* xo = reinterpret_cast<float4*>(xs + b * K);
-    for (int k0 = threadIdx.x; k0 < K8; k0 += XN_VPT * NTHREADS) {
-      uint4 v[XN_VPT];
-#pragma unroll
-      for (int j = 0; j < XN_VPT; j++)
-        v[j] = k0 + j * NTHREADS < K8 ? __ldcg(xr + k0 + j * NTHREADS) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int j = 0; j < XN_VPT; j++) {
-        if (k0 + j * NTHREADS >= K8) continue;
-        float f[8];
-        unpack(v[j], f);
-        xo[2 * (k0 + j * NTHREADS)] = make_float4(f[0], f[1], f[2], f[3]);
-        xo[2 * (k0 + j * NTHREADS) + 1] = make_float4(f[4], f[5], f[6], f[7]);
-      }
-    }
-  }
-  if (warp < nb) {   // warp-uniform
-    s = warp_sum(s);
-    if (lane == 0) scale[warp] = rsqrtf(s / K + a.eps);
-  }
-  __syncthreads();   // xs and scale written
-}
-#endif
-
 // Returns outs [nb][nrows]: outs[b * nrows + r] = W[row(r)] . xin(b0 + b) for b < nb <=
 // linear_chunk(batch, nrows). Ends with __syncthreads(): outs is readable by every thread
 // (and writable until the caller's next __syncthreads()).
@@ -72,17 +30,6 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   float* xs = base;
   float* outs = xs + min(BATCH_CHUNK, a.bucket) * a.kmax;   // [nb][nrows] (megakernel.smem_bytes)
   prof_mark(a, 5);
-#if defined(MK_NORM_LATE) && defined(MK_HAS_MMA) && !defined(MK_GU_SPLIT)
-  if (src.nw) {   // trial: xn and the scale on the outputs (load_xn)
-    __shared__ float scale[BATCH_CHUNK];
-    load_xn(a, src, b0, nb, K, xs, scale);
-    prof_mark(a, 1);
-    matvec(K, xs, nb, nrows, row, [&](int r, int b, float v) { outs[b * nrows + r] = v * scale[b]; });
-    __syncthreads();
-    prof_mark(a, 2);
-    return outs;
-  }
-#endif
 #ifdef MK_GU_SPLIT
   load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red, src.k0);
 #else

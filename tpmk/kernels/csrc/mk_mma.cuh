@@ -198,16 +198,8 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     uint4 ca[MT * U], cb[MT * U];
     load_group(0, ca, cb);
     for (int c = 0; c < XD - 1; c++) stage(c);
-    // Row b's sum of squares (the fused norm's; only the epilogue reads ss): its residual tiles'
-    // partials in fixed order; a warp's rows b = warp + r NWARPS load together (one round trip
-    // per 32 partials). Trial MMA_SS_LATE (README, next experiments): the same block after the
-    // K loop, where it does not queue behind the first chunks' copies; written so that the
-    // default build's text, and so its SASS, stays as measured.
-#ifdef MMA_SS_LATE
-    auto sum_squares = [&] {
-#else
-    if (src.nw && mt0 == 0) {
-#endif
+    if (src.nw && mt0 == 0) {   // row b's sum of squares: its residual tiles' partials in fixed
+      // order; a warp's rows b = warp + r NWARPS load together (one round trip per 32 partials)
       constexpr int R = MMA_PASS / NWARPS;
       float s2[R];
 #pragma unroll
@@ -221,11 +213,7 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
         const float t = warp_sum(s2[r]);
         if (lane == 0 && warp + r * NWARPS < nb) ss[warp + r * NWARPS] = t;
       }
-#ifdef MMA_SS_LATE
-    };
-#else
     }
-#endif
     for (int c = 0; c < nchunks; c++) {
       const int kc0 = c * KC;
       if constexpr (XD == 2) cp_async_wait_all();   // this thread's copies of chunk c
@@ -264,9 +252,6 @@ __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, i
     if constexpr (XD > 2) cp_async_wait_all();   // the zero-filled stages past a short K too
     __syncthreads();   // the chunk buffers are no longer read
     prof_mark(a, 9);   // the K loop's MMAs done (the last m-tile pass's)
-#ifdef MMA_SS_LATE   // the epilogue's barrier below orders these ss writes before its reads
-    if (src.nw && mt0 == 0) sum_squares();
-#endif
     if (active)
 #pragma unroll
       for (int j = 0; j < MT; j++)

@@ -49,29 +49,8 @@ __device__ __noinline__ void op_residual(const KernelArgs& a, const int* ins, co
 #pragma unroll
       for (int r = 0; r < isa::MAX_TP; r++)
         v[r] = r < a.tp ? __ldcg(reinterpret_cast<const float4*>(slots + r * plane + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
-#if defined(MK_NORM_LATE) && defined(MK_HAS_MMA)   // trial (mk_linear.cuh load_xn): xn and the
-      // tile's sums of squares below MMA_MIN_BATCH too; a float4's x^2 into smem[idx], then
-      // each row's in column order (fixed)
-      const float4 acc =
-#endif
       finish(off, v, 1, set ? make_float4(0.f, 0.f, 0.f, 0.f) : __ldcg(reinterpret_cast<const float4*>(x + off)));
-#if defined(MK_NORM_LATE) && defined(MK_HAS_MMA)
-      const uint2 u = __ldg(reinterpret_cast<const uint2*>(nw + c0 + 4 * (idx % n4)));
-      const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-      const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-      const float4 xw = make_float4(acc.x * w01.x, acc.y * w01.y, acc.z * w23.x, acc.w * w23.y);
-      for (int p = p0; p < p1; p++) store_bf16x4(reinterpret_cast<__nv_bfloat16*>(a.peer_xn[p]), off, xw);
-      smem[idx] = acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
-#endif
     }
-#if defined(MK_NORM_LATE) && defined(MK_HAS_MMA)
-    __syncthreads();   // smem[b * n4 + c] written
-    for (int b = threadIdx.x; b < batch; b += NTHREADS) {
-      float sq = 0.f;
-      for (int c = 0; c < n4; c++) sq += smem[b * n4 + c];
-      for (int p = p0; p < p1; p++) reinterpret_cast<float*>(a.peer_xn_ssq[p])[(size_t)b * a.n_h_tiles + tile] = sq;
-    }
-#endif
     return;
   }
   if constexpr (sizeof(wtype) == 2) {   // mma_batch is false for f32 models
