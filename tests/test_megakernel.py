@@ -369,26 +369,28 @@ def test_small_buckets_leave_shared_memory_to_l1():
     words (linear() inputs of min(BATCH_CHUNK, bucket) rows of K = 8192 f32), and attention
     takes 64-token chunks, so at batch 1 at least 128 KB of the SM's 228 KB stay L1 for the
     stack frames (the carve-out hint). Batch 1 at ctx 1024 on an H200: 9.36 ms sized by
-    bucket, 9.84 with the tensor-core words at every bucket (bench/decode.py, 2026-12-06)."""
+    bucket, 9.84 with the tensor-core words at every bucket (bench/decode.py, 2026-12-06).
+    Written for any MMA_MIN_BATCH >= 2 (bench/mma_min_call.sh runs it at 2)."""
     from tpmk.kernels import isa
     from tpmk.kernels.megakernel import check_shapes
     cfg = ModelConfig.from_name("llama-3-70b")
+    mn, top = isa.MMA_MIN_BATCH, isa.MMA_MIN_BATCH - 1   # the first tensor-core bucket, the last below
     smem = {b: check_shapes(cfg, build_schedule(cfg, 8, b, 132), torch.bfloat16)[1]
-            for b in (1, 4, isa.MMA_MIN_BATCH, 128)}
+            for b in (1, top, mn, 128)}
     assert smem[1] <= 100 * 1024 and 228 * 1024 - smem[1] >= 128 * 1024
     assert smem[1] >= 4 * 8192 * 1   # at least the one input row
-    assert smem[4] >= 4 * 8192 * 4 and smem[4] < smem[isa.MMA_MIN_BATCH] < smem[128]
+    assert smem[top] >= 4 * 8192 * top and smem[top] < smem[mn] < smem[128]
     # Tensor-core buckets: the chunk buffers plus one pass's outputs, bucket rows of the
     # tallest tile (2 x 64 rows of gate_up at tp 8, 132 SMs), and residual.cuh's two passes
     # of 9 planes x 64 columns; the attention's 128-token K/V ring is a little larger at the
     # smallest, and bucket 128 needs all of MMA_SMEM_WORDS.
     scratch = 4 * isa.NWARPS * isa.BATCH_CHUNK
-    assert scratch + 4 * (isa.MMA_OUT_AT + isa.MMA_MIN_BATCH * 128) <= smem[isa.MMA_MIN_BATCH] <= 150 * 1024
+    assert scratch + 4 * (isa.MMA_OUT_AT + mn * 128) <= smem[mn] <= 150 * 1024
     assert smem[128] == scratch + 4 * isa.MMA_SMEM_WORDS
     s32 = build_schedule(cfg, 8, 32, 132)
     assert max(i.nrows for i in s32.instructions if i.name == "residual") == 64
     assert check_shapes(cfg, s32, torch.bfloat16)[1] >= scratch + 4 * 2 * 32 * 9 * 64
-    assert [isa.attn_chunk(128, 2, b) for b in (1, 4, 5, 128)] == [64, 64, 128, 128]
+    assert [isa.attn_chunk(128, 2, b) for b in (1, top, mn, 128)] == [64, 64, 128, 128]
     assert isa.attn_chunk(256, 2, 128) == 64 and isa.attn_chunk(256, 4, 1) == 32   # ATTN_KV_BYTES
 
 
