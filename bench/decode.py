@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tpmk.config import ModelConfig
 from tpmk.rope import rope_inv_freq
+from tpmk.kernels import isa
 from tpmk.kernels.megakernel import Megakernel
 from tpmk.kernels.schedule import build_schedule
 from tpmk.partition.weights import RankWeights, local_heads, padded_vocab
@@ -194,7 +195,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     name = dev.name.replace(" ", "_")
     res = dict(device=dev.name, copy_bw_Bps=bw, model=cfg.name, tp=args.tp, defines=args.define, splits=args.splits,
-               qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits,
+               qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits, mma_min_batch=isa.MMA_MIN_BATCH,
                layers=cfg.num_hidden_layers, weights_bytes=wbytes, note="one rank, peer slots looped back; baseline: torch + CUDA graph, "
                "contiguous KV, no communication", rows=rows)
     (out / f"decode_{name}.json").write_text(json.dumps(res, indent=1))

@@ -35,6 +35,7 @@ for pass in 1 2; do for v in "5" "$M" "$M es"; do
      --ctx 1024 --no-baseline --iters 20 $a --out "$OUT/m${m}${a:+es}_$pass" 2>&1 | tail -n +3 | grep -v "^\s*$")
 done; done
 echo "== timed at $(( $(date +%s) - t0 )) s"
+python3 bench/ab_table.py "$OUT"/m5_1 "$OUT"/m${M}_1 "$OUT"/m${M}es_1 "$OUT"/m5_2 "$OUT"/m${M}_2 "$OUT"/m${M}es_2
 [ "${MM_TESTS:-1}" = 1 ] || exit 0
 (cd $d && OUT=$OUT/tests TPMK_MK_DEFINES="$ES" TEST_SHARDS=8 \
   PYTEST_K="tiny_matches_interpreter or batched_tensor_core or engine_vs_reference or topk_matches or attention_long" \

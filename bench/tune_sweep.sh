@@ -50,6 +50,9 @@ for v in "$@"; do
     ${SWEEP_BENCH:---batch 1 --ctx 1024 --no-baseline --iters 5} \
     $args ${macros:+--define $macros} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3)
 done
+# every variant's mean over its passes against variant 1's (bench/ab_table.py; not for @REV or
+# SWEEP_ENV variants: their runs record neither the tree nor the environment)
+[[ " $* " == *" @"* || -n "${SWEEP_ENV:-}" ]] || python3 bench/ab_table.py $(for ((j = 1; j <= i; j++)); do echo "$OUT/sweep$j"; done)
 for t in "$OUT"/trace*.json; do
   [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t" --starts | sed -n 1,24p
 done
