@@ -3,8 +3,9 @@
 # the attention trials (MK_ATTN_EARLY + MK_ATTN_SPREAD with --qkv-pairs 8) on top, then the
 # GPU tests, memcheck and racecheck on that candidate default. Why (README, next experiments):
 # batch 4 on the CUDA cores took 11.2-11.5 ms where batch 8 on the tensor cores took 9.9-10.2
-# (H100, 2026-12-07). ~330 s of run. Delete this script once the threshold is settled.
-#   MM_TESTS=0: timings only (~130 s).
+# (H100, 2026-12-07). Then the qkv tile height at batch 1 with the attention trials, then the
+# tests. ~420 s of run. Delete this script once the threshold is settled.
+#   MM_TESTS=0: timings only (~210 s).
 # The candidate tree is a copy with isa.MMA_MIN_BATCH edited and isa_generated.cuh
 # regenerated (/tmp/m2); the host (shared memory, attention chunk) and the interpreter (the
 # tests' bf16 rounding) follow the constant. "5" runs this tree as it is.
@@ -36,6 +37,13 @@ for pass in 1 2; do for v in "5" "$M" "$M es"; do
 done; done
 echo "== timed at $(( $(date +%s) - t0 )) s"
 python3 bench/ab_table.py "$OUT"/m5_1 "$OUT"/m${M}_1 "$OUT"/m${M}es_1 "$OUT"/m5_2 "$OUT"/m${M}_2 "$OUT"/m${M}es_2
+# qkv tile height at batch 1 with the attention trials (how the schedule should choose it:
+# 70B rank, 10 heads of 64 rotary pairs, 32 splits; pairs P give 10 * ceil(64 / P) qkv tiles)
+E="--define $ES"
+SWEEP_ARGS=1 SWEEP_BENCH="--batch 1 --ctx 1024 --no-baseline --iters 20" OUT=$OUT/qkv bash bench/tune_sweep.sh \
+  "" "$E" "--qkv-pairs 6 $E" "--qkv-pairs 8 $E" "--qkv-pairs 11 $E" "--qkv-pairs 16 $E" \
+  "" "$E" "--qkv-pairs 6 $E" "--qkv-pairs 8 $E" "--qkv-pairs 11 $E" "--qkv-pairs 16 $E" 2>&1 | sed -n '/^== NVIDIA\|^== .*runs/,$p'
+echo "== swept at $(( $(date +%s) - t0 )) s"
 [ "${MM_TESTS:-1}" = 1 ] || exit 0
 (cd $d && OUT=$OUT/tests TPMK_MK_DEFINES="$ES" TEST_SHARDS=8 \
   PYTEST_K="tiny_matches_interpreter or batched_tensor_core or engine_vs_reference or topk_matches or attention_long" \
