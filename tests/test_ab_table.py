@@ -55,6 +55,10 @@ def test_runs_of_two_cards_are_refused(tmp_path):
     b = run(tmp_path / "b", {(1, 1024): 7.6}, device="NVIDIA H200")
     with pytest.raises(SystemExit, match="different cards"):
         load([a, b])
+
+
+def test_empty_passes_left_out_and_no_runs_refused(tmp_path):
+    a = run(tmp_path / "a", {(1, 1024): 9.0})
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no decode_"):
         load([tmp_path / "empty", tmp_path / "does_not_exist"])
