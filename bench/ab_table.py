@@ -1,7 +1,7 @@
 """Compare bench/decode.py runs: the mean step time per variant over repeated passes.
 
-Reads every decode_*.json under the given folders (bench/tune_sweep.sh's sweepN, the passes of
-bench/mma_min_call.sh), groups the runs by what they built and scheduled (the tensor-core
+Reads every decode_*.json under the given folders (bench/tune_sweep.sh's sweepN, or the
+passes of one device call, each to its own --out), groups the runs by what they built and scheduled (the tensor-core
 threshold, the macros, --splits, --qkv-pairs, --gu-splits), and prints one line per (batch,
 ctx): each variant's mean ms over its passes, with the range in brackets, and its change
 against the first variant met (the baseline: pass it first). Runs on different cards are

@@ -182,9 +182,9 @@ def _batch_case(name, tp, batch, seed):
 @pytest.mark.parametrize("name,tp,bucket,batch", [("tiny-gqa", 2, 72, 70), ("tiny-gqa", 2, 136, 133),
                                                    ("llama-3.2-1b", 1, 24, 21)])
 def test_batched_tensor_core_matvec(name, tp, bucket, batch):
-    """batch >= 5 runs the tensor-core matvec (mk_mma.cuh): several batch passes (133 rows:
+    """batch >= MMA_MIN_BATCH runs the tensor-core matvec (mk_mma.cuh): several batch passes (133 rows:
     a full MMA_PASS of 16 n-tiles, then 5 rows), every n-tile count, several K chunks (1b:
-    K = 2048 and 8192), batch shrinking below 5 at the end."""
+    K = 2048 and 8192), batch shrinking to a quarter at the end (the 4-token prompts)."""
     cfg, shards, prompts = _batch_case(name, tp, batch, seed=7 if name == "tiny-gqa" else 4)
     vm, mk = _pair(cfg, tp, bucket, shards)
     worst = _compare_run(vm, mk, prompts, 3, f"{name} tp{tp} batch {batch}")
@@ -192,11 +192,11 @@ def test_batched_tensor_core_matvec(name, tp, bucket, batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,tp,bucket,batch,gu", [("tiny-gqa", 2, 4, 3, 2), ("tiny-gqa", 2, 72, 70, 4),
+@pytest.mark.parametrize("name,tp,bucket,batch,gu", [("tiny-gqa", 2, 4, 1, 2), ("tiny-gqa", 2, 72, 70, 4),
                                                      ("llama-3.2-1b", 1, 24, 21, 4), ("llama-3.2-1b", 2, 8, 8, 2)])
 def test_gate_up_split_over_k(name, tp, bucket, batch, gu):
     """gate_up in `gu` K slices (partials to gu_part, ACT sums them) on both the CUDA-core
-    path (batch < 5, the norm's sum of squares over the whole row) and the tensor cores; the
+    path (batch 1, the norm's sum of squares over the whole row) and the tensor cores; the
     Megakernel builds such schedules with MK_GU_SPLIT."""
     cfg, shards, prompts = _batch_case(name, tp, batch, seed=9 if name == "tiny-gqa" else 5)
     vm, mk = _pair(cfg, tp, bucket, shards, gu_splits=gu)
@@ -370,7 +370,7 @@ def test_small_buckets_leave_shared_memory_to_l1():
     takes 64-token chunks, so at batch 1 at least 128 KB of the SM's 228 KB stay L1 for the
     stack frames (the carve-out hint). Batch 1 at ctx 1024 on an H200: 9.36 ms sized by
     bucket, 9.84 with the tensor-core words at every bucket (bench/decode.py, 2026-12-06).
-    Written for any MMA_MIN_BATCH >= 2 (bench/mma_min_call.sh runs it at 2)."""
+    Written for any MMA_MIN_BATCH >= 2 (5 until 2026-12-07, 2 since)."""
     from tpmk.kernels import isa
     from tpmk.kernels.megakernel import check_shapes
     cfg = ModelConfig.from_name("llama-3-70b")

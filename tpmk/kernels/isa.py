@@ -28,8 +28,10 @@ ERROR_WORDS = 16
 NO_COUNTER = -1
 NEG_INF = -1.0e30         # finite "minus infinity" for empty softmax splits
 TOPK = 8                  # LM-head candidates per tile and per row (sampling with top_k <= TOPK)
-MMA_MIN_BATCH = 5         # bf16 steps of at least this many rows run their matvecs on tensor cores
-                          # (bf16 inputs); smaller ones on CUDA cores (f32 inputs): faster at batch 1
+MMA_MIN_BATCH = 2         # bf16 steps of at least this many rows run their matvecs on tensor cores
+                          # (bf16 inputs); batch 1 on CUDA cores (f32 inputs). 70B tp=8 rank, H100,
+                          # ctx 1024, against 5: batch 2 / 3 / 4 9.61 / 9.58 / 9.85 ms vs 9.89 /
+                          # 10.76 / 11.58; batch 1 level (the CUDA cores, faster there)
 
 # ---- kernel geometry: the CUDA side reads these (isa_generated.cuh), the host sizes shared
 # memory and checks shapes with them. Change them here only.
