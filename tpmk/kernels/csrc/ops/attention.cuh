@@ -245,17 +245,13 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     } else
 #endif
     {   // scores
-#ifdef MK_ATTN_SPREAD   // trial: a chunk of cn < CH tokens takes NTHREADS / W head phases, W >= cn
-      int W = 8;        // (at batch 1, ctx 1024: 32 tokens per split, half the threads idle)
+      // Thread (head phase, token t) with W >= cn tokens per phase: a short chunk (batch 1 at
+      // ctx 1024: 32 tokens per split, CH 64) takes more head phases, not idle threads.
+      int W = 8;
       while (W < cn) W *= 2;
       const int t = threadIdx.x % W, P = NTHREADS / W;
       if (t < cn)
         for (int h = threadIdx.x / W; h < G; h += P) {
-#else
-      const int t = threadIdx.x % CH, P = NTHREADS / CH;
-      if (t < cn)
-        for (int h = threadIdx.x / CH; h < G; h += P) {
-#endif
           const float4* qh = reinterpret_cast<const float4*>(qs + h * D);
           float s0 = 0.f, s1 = 0.f;
           for (int d = 0; d < D; d += 8) {
