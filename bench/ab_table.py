@@ -1,11 +1,11 @@
 """Compare bench/decode.py runs: the mean step time per variant over repeated passes.
 
 Reads every decode_*.json under the given folders (bench/tune_sweep.sh's sweepN, or the
-passes of one device call, each to its own --out), groups the runs by what they built and scheduled (the tensor-core
-threshold, the macros, --splits, --qkv-pairs, --gu-splits), and prints one line per (batch,
-ctx): each variant's mean ms over its passes, with the range in brackets, and its change
-against the first variant met (the baseline: pass it first). Runs on different cards are
-refused: their times do not compare.
+passes of one device call, each to its own --out), groups the runs by what they built and
+scheduled (the tensor-core threshold, the macros, --splits, --qkv-pairs, --gu-splits), and
+prints one line per (batch, ctx): each variant's mean ms over its passes, with the range in
+brackets, and its change against the first variant met (the baseline: pass it first). Runs on
+different cards are refused: their times do not compare.
 
   python bench/ab_table.py OUT/m5_1 OUT/m2_1 OUT/m5_2 OUT/m2_2
 """

@@ -182,9 +182,10 @@ def _batch_case(name, tp, batch, seed):
 @pytest.mark.parametrize("name,tp,bucket,batch", [("tiny-gqa", 2, 72, 70), ("tiny-gqa", 2, 136, 133),
                                                    ("llama-3.2-1b", 1, 24, 21)])
 def test_batched_tensor_core_matvec(name, tp, bucket, batch):
-    """batch >= MMA_MIN_BATCH runs the tensor-core matvec (mk_mma.cuh): several batch passes (133 rows:
-    a full MMA_PASS of 16 n-tiles, then 5 rows), every n-tile count, several K chunks (1b:
-    K = 2048 and 8192), batch shrinking to a quarter at the end (the 4-token prompts)."""
+    """batch >= MMA_MIN_BATCH runs the tensor-core matvec (mk_mma.cuh): several batch passes
+    (133 rows: a full MMA_PASS of 16 n-tiles, then 5 rows), every n-tile count, several K
+    chunks (1b: K = 2048 and 8192), batch shrinking to a quarter at the end (the 4-token
+    prompts)."""
     cfg, shards, prompts = _batch_case(name, tp, batch, seed=7 if name == "tiny-gqa" else 4)
     vm, mk = _pair(cfg, tp, bucket, shards)
     worst = _compare_run(vm, mk, prompts, 3, f"{name} tp{tp} batch {batch}")
