@@ -102,8 +102,9 @@ __device__ __forceinline__ bool attn_tc(int batch, int G, int D) {
 // before the split's counter wait. It copies chunk 0's page numbers, then issues chunk 0's K/V
 // rows of the tokens before this step's (written in earlier steps; only row pos[b] is this
 // step's, qkv's) and returns; the call after the wait issues that one row, if chunk 0 holds
-// it, and goes on. The past rows then stream while the SM waits for qkv, on SMs without a qkv
-// tile (--qkv-pairs 8 at batch 1: 80 qkv tiles, the 32 splits on the other SMs).
+// it, and goes on. The past rows then stream while the SM waits for qkv. Measured only together
+// with the head-phase scores below (then a trial too): batch 1 -2.6 to -3.8 % with the
+// default's qkv tiles, level at batch 2-128 (H100, 2026-12-07); its own share is not known.
 __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr, float* smem
 #ifdef MK_ATTN_EARLY
                                           , bool early
