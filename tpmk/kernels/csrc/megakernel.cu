@@ -56,9 +56,6 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
     if (!runs_here(a, ins)) continue;   // an all-gather tile another rank owns
     // The start of this instruction's weights into L2 while this SM waits on its counters
     // (mk_prefetch.cuh; the next instruction's too was slower).
-#ifdef MK_ATTN_EARLY   // trial: attention's past K/V rows while this SM waits (attention.cuh)
-    if (ins[isa::F_OP] == isa::OP_ATTENTION) op_attention(a, ins, hdr, smem, true);
-#endif
     if (threadIdx.x == 0) {
       prefetch_instruction(a, ins);
       go = wait_counter(a, ins, 0, epoch, sm, i) && wait_counter(a, ins, 1, epoch, sm, i);
@@ -74,11 +71,7 @@ megakernel(const KernelArgs* __restrict__ all_args, int sms_per_rank) {
       case isa::OP_NOP: break;
       case isa::OP_EMBED: op_embed(a, ins, hdr, smem); break;
       case isa::OP_QKV: op_qkv(a, ins, hdr, smem); break;
-      case isa::OP_ATTENTION: op_attention(a, ins, hdr, smem
-#ifdef MK_ATTN_EARLY
-                                            , false
-#endif
-                                            ); break;
+      case isa::OP_ATTENTION: op_attention(a, ins, hdr, smem); break;
       case isa::OP_O_PROJ: op_o_proj(a, ins, hdr, smem); break;
       case isa::OP_RESIDUAL: op_residual(a, ins, hdr, smem); break;
       case isa::OP_GATE_UP: op_gate_up(a, ins, hdr, smem); break;

@@ -98,18 +98,7 @@ __device__ __forceinline__ bool attn_tc(int batch, int G, int D) {
 #endif
 }
 
-// MK_ATTN_EARLY (trial, compiled out): the dispatch loop calls op_attention(..., early = true)
-// before the split's counter wait. It copies chunk 0's page numbers, then issues chunk 0's K/V
-// rows of the tokens before this step's (written in earlier steps; only row pos[b] is this
-// step's, qkv's) and returns; the call after the wait issues that one row, if chunk 0 holds
-// it, and goes on. The past rows then stream while the SM waits for qkv. Measured only together
-// with the head-phase scores below (then a trial too): batch 1 -2.6 to -3.8 % with the
-// default's qkv tiles, level at batch 2-128 (H100, 2026-12-07); its own share is not known.
-__device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr, float* smem
-#ifdef MK_ATTN_EARLY
-                                          , bool early
-#endif
-                                          ) {
+__device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, const int* hdr, float* smem) {
   const int batch = step_batch(), b = ins[isa::F_ARG0];
   if (b >= batch) return;
   const int l = ins[isa::F_LAYER], g = ins[isa::F_ROW0], split = ins[isa::F_ARG1];
@@ -148,20 +137,13 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     if (c < nchunks && threadIdx.x <= (min(CH, t1 - c0) - 1 + c0 % ps) / ps)
       cp_async4(spg + c % 2 * ATTN_PAGES + threadIdx.x, pages + c0 / ps + threadIdx.x);
   };
-  auto issue = [&](int c
-#ifdef MK_ATTN_EARLY
-                   , int skip = -1   // a token whose rows are not copied here (issued apart)
-#endif
-                   ) {   // chunk c -> stage c % 2 and chunk c + 1's pages, one commit group
+  auto issue = [&](int c) {   // chunk c -> stage c % 2 and chunk c + 1's pages, one commit group
     const int c0 = t0 + c * CH, cn = min(CH, t1 - c0);
     char* kd = kvs + (size_t)(c % 2) * 2 * CH * RB + pc * 16;
     char* vd = kd + (size_t)CH * RB;
     const int* pg = spg + c % 2 * ATTN_PAGES - c0 / ps;
     for (int t = tr; t < cn; t += RSTEP) {
       const int tok = c0 + t;
-#ifdef MK_ATTN_EARLY
-      if (tok == skip) continue;
-#endif
       const size_t off = (size_t)pg[tok / ps] * page_stride + (size_t)(tok % ps) * D;
       cp_async16(kd + t * RB, reinterpret_cast<const char*>(kbase + off) + pc * 16);
       cp_async16(vd + t * RB, reinterpret_cast<const char*>(vbase + off) + pc * 16);
@@ -171,33 +153,12 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
     copy_pages(c + 1);
     cp_async_commit();
   };
-#ifdef MK_ATTN_EARLY
-  if (early) {   // before the wait: chunk 0's page numbers, then its K/V but this step's row
-    if (nchunks > 0) {
-      copy_pages(0);
-      cp_async_wait_all();
-      __syncthreads();
-      issue(0, ctx - 1);
-    }
-    return;
-  }
-  if (nchunks > 0) {   // after the wait: this step's row (ctx - 1), if chunk 0 holds it
-    const int t = ctx - 1 - t0;
-    if (t < min(CH, t1 - t0) && t % RSTEP == tr) {
-      const size_t off = (size_t)spg[(ctx - 1) / ps - t0 / ps] * page_stride + (size_t)((ctx - 1) % ps) * D;
-      cp_async16(kvs + (size_t)t * RB + pc * 16, reinterpret_cast<const char*>(kbase + off) + pc * 16);
-      cp_async16(kvs + (size_t)(CH + t) * RB + pc * 16, reinterpret_cast<const char*>(vbase + off) + pc * 16);
-    }
-    cp_async_commit();
-  }
-#else
   if (nchunks > 0) {   // chunk 0's page numbers, then its K/V
     copy_pages(0);
     cp_async_wait_all();
     __syncthreads();
     issue(0);
   }
-#endif
   const float* q = reinterpret_cast<const float*>(a.q) + ((size_t)b * a.q_heads + g * G) * D;
   if (tc) {
     for (int i = G * (ATTN_CHUNK + 8) + threadIdx.x; i < 16 * (ATTN_CHUNK + 8); i += NTHREADS)
