@@ -142,19 +142,19 @@ def check_vocab(vocab_size: int) -> None:
                          f"top-TOPK must be real tokens and candidate ids are exact f32")
 
 
-SMALL_ATTN_CHUNK = 64     # attention tokens per chunk for buckets up to SMALL_ATTN_BUCKET (see attn_chunk)
-SMALL_ATTN_BUCKET = 16
+SMALL_ATTN_CHUNK = 64     # attention tokens per chunk for buckets below MMA_MIN_BATCH (see attn_chunk)
 
 
 def attn_chunk(head_dim: int, elem_bytes: int, bucket: int) -> int:
     """Tokens per attention chunk (KernelArgs.attn_chunk): ATTN_CHUNK, fewer where a K chunk
     would pass ATTN_KV_BYTES (head_dim 256 in bf16, 128 and 256 in f32); a power of two.
-    Buckets up to SMALL_ATTN_BUCKET take SMALL_ATTN_CHUNK: there the K/V ring is the largest
-    user of shared memory, and what the CTA leaves is L1 for the stack frames. 70B tp=8 rank,
-    H200, batch 1 / 2 at ctx 1024 (2026-12-06, the CUDA cores both): 8.80 / 9.10 ms with 64
-    tokens, 9.04-9.23 / 9.48-9.67 with 128 (ctx 4096 within noise; 32 tokens were slower
-    there: 10.16 vs 9.80 ms)."""
-    chunk = SMALL_ATTN_CHUNK if bucket <= SMALL_ATTN_BUCKET else ATTN_CHUNK
+    Buckets below MMA_MIN_BATCH take SMALL_ATTN_CHUNK: there the K/V ring is the largest user
+    of shared memory, and what the CTA leaves is L1 for the stack frames. 70B tp=8 rank,
+    H200, batch 1 / 2 at ctx 1024 (2026-12-06, both below the threshold then): 8.80 / 9.10 ms
+    with 64 tokens, 9.04-9.23 / 9.48-9.67 with 128 (ctx 4096 within noise; 32 tokens were
+    slower there: 10.16 vs 9.80 ms). Bucket 2 now runs the tensor cores with 128-token chunks,
+    faster still (MMA_MIN_BATCH)."""
+    chunk = SMALL_ATTN_CHUNK if bucket < MMA_MIN_BATCH else ATTN_CHUNK
     return min(chunk, ATTN_KV_BYTES // (head_dim * elem_bytes))
 
 

@@ -51,10 +51,7 @@ def megakernel_options(dtype: torch.dtype, defines: tuple[str, ...] = ()) -> lis
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"megakernel dtype={dtype} unsupported; use bfloat16 or float32")
     opts = ["-DMK_FLOAT32"] if dtype == torch.float32 else []
-    macros = kernel_macros(defines)
-    # the host's staged-output offsets, which mk_mma.cuh checks against its own (static_assert)
-    opts += [f"-DMK_HOST_OUT_AT_{nt}={mma_out_at(8 * nt, macros)}" for nt in (1, 2, 4, 8, 16)]
-    return opts + [f"-D{d}" for d in macros]
+    return opts + [f"-D{d}" for d in kernel_macros(defines)]
 
 
 def kernel_macros(defines: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -82,10 +79,8 @@ def out_words(sched: Schedule) -> int:
                for i in sched.instructions if i.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
 
 
-def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype,
-               macros: tuple[str, ...] = ()) -> int:
-    """The least dynamic shared memory the ops need; the kernel is launched with it.
-    macros: the build's kernel_macros (the tensor-core matvec's geometry knobs)."""
+def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype) -> int:
+    """The least dynamic shared memory the ops need; the kernel is launched with it."""
     hq, hkv = local_heads(cfg, sched.tp)
     G, D = hq // hkv, cfg.head_dim
     # attention.cuh: q (f32, or bf16 [16, D + 8] for the tensor cores), scores, bf16
@@ -99,11 +94,8 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype,
     attn = (max(G * D, 8 * (D + 8)) + G * ATTN_CHUNK + 8 * (ATTN_CHUNK + 8) + ((3 * G + 3) & ~3)
             + 2 * isa.ATTN_PAGES + kv)
     merge = ((G * sched.num_splits + 3) & ~3) + 4 * max(NTHREADS, G * D // 4)
-    # linear(): inputs, then outputs, of the CUDA-core matvec's rows (mk_linear.cuh): at most
-    # BATCH_CHUNK, and only the batches below MMA_MIN_BATCH where the tensor cores run the rest
-    mma = dtype == torch.bfloat16
-    rows = min(BATCH_CHUNK, sched.bucket, isa.MMA_MIN_BATCH - 1 if mma else BATCH_CHUNK)
-    linear = rows * (kmax + out_words(sched))
+    # linear(): inputs, then outputs, of min(BATCH_CHUNK, bucket) rows (mk_linear.cuh)
+    linear = min(BATCH_CHUNK, sched.bucket) * (kmax + out_words(sched))
     topk = 2 * NWARPS * isa.TOPK                   # argmax.cuh: per-warp (value, id) lists
     words = max(linear, attn, merge - NWARPS * BATCH_CHUNK, topk)
     # Shared memory is sized to the bucket and the rest is L1 (the carve-out hint in
@@ -111,38 +103,15 @@ def smem_bytes(cfg: ModelConfig, sched: Schedule, kmax: int, dtype: torch.dtype,
     # 9.40 ms against 9.84 with the tensor-core words at every bucket (same run, 2026-12-06).
     # Tensor-core buckets (staged outputs of bucket rows): batch 8 / 32 at ctx 1024, H100, 11.75
     # / 15.58 and 11.56 / 15.53 ms against 12.97 / 16.86 and 13.18 / 17.16 with all 128 rows.
-    if mma and sched.bucket >= isa.MMA_MIN_BATCH:
-        words = max(words, mma_words(sched, macros), residual_words(sched))   # batch >= MMA_MIN_BATCH
+    if dtype == torch.bfloat16 and sched.bucket >= isa.MMA_MIN_BATCH:
+        words = max(words, mma_words(sched), residual_words(sched))   # batch >= MMA_MIN_BATCH
     return 4 * (NWARPS * BATCH_CHUNK + words)
 
 
-# mk_mma.cuh's geometry knobs and their defaults (bench/decode.py --define overrides them)
-MMA_KNOBS = {"MMA_KC_MAX": 1024, "MMA_XD": 4, "MMA_MT": 2, "MMA_MT_FROM": 8}
-
-
-def mma_out_at(nb: int, macros: tuple[str, ...] = ()) -> int:
-    """mk_mma.cuh's mma_out_at(nb): where a tensor-core pass of nb batch rows (n-tiles of 8:
-    NT = 1, 2, 4, 8 or 16) stages its outputs, after its sums of squares and its activation
-    chunk buffers (which the split-K partials reuse)."""
-    knob = dict(MMA_KNOBS)
-    for m in macros:
-        name, _, value = m.partition("=")
-        if name in knob:
-            knob[name] = int(value)
-    nt = next(n for n in (1, 2, 4, 8, 16) if nb <= 8 * n or n == 16)
-    xwords = isa.MMA_PASS * (isa.MMA_KC1 * 8 // isa.MMA_PASS + 32) // 2
-    kc2 = min(isa.MMA_KC1 // nt, knob["MMA_KC_MAX"])
-    xd = knob["MMA_XD"] if knob["MMA_XD"] * nt * 8 * (kc2 * 2 // knob["MMA_XD"] + 32) <= 4 * xwords else 2
-    mt = knob["MMA_MT"] if nt >= knob["MMA_MT_FROM"] else 1
-    return isa.MMA_PASS + max(xd * nt * 8 * (kc2 * 2 // xd + 32) // 2, NWARPS * mt * nt * 128)
-
-
-def mma_words(sched: Schedule, macros: tuple[str, ...] = ()) -> int:
-    """The tensor-core matvec's shared memory (mk_mma.cuh) at this bucket: the work area of a
-    pass of min(bucket, MMA_PASS) rows, then the staged outputs of one pass, nb <= bucket rows
-    of the tallest tile."""
-    return (mma_out_at(min(sched.bucket, isa.MMA_PASS), macros)
-            + min(isa.MMA_OUT_WORDS, sched.bucket * out_words(sched)))
+def mma_words(sched: Schedule) -> int:
+    """The tensor-core matvec's shared memory (mk_mma.cuh) at this bucket: its chunk buffers,
+    then the staged outputs of one pass, nb <= bucket rows of the tallest tile."""
+    return isa.MMA_OUT_AT + min(isa.MMA_OUT_WORDS, sched.bucket * out_words(sched))
 
 
 def residual_words(sched: Schedule) -> int:
@@ -157,8 +126,7 @@ def residual_words(sched: Schedule) -> int:
     return words
 
 
-def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype,
-                 macros: tuple[str, ...] = ()) -> tuple[int, int]:
+def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple[int, int]:
     """Refuses what the kernel cannot run, naming the value; needs no GPU (Megakernel calls it
     before touching the device). Returns (kmax, dynamic shared-memory bytes)."""
     isa.check_vocab(cfg.vocab_size)
@@ -178,7 +146,7 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype,
         raise ValueError(f"num_splits={sched.num_splits} > 32 (the split merge uses one lane "
                          f"per split)")
     kmax = max(H, hq * D, inter)
-    smem = smem_bytes(cfg, sched, kmax, dtype, macros)
+    smem = smem_bytes(cfg, sched, kmax, dtype)
     if smem > SMEM_LIMIT:
         raise ValueError(f"megakernel needs {smem} B of shared memory (kmax={kmax}), "
                          f"over {SMEM_LIMIT}; lower BATCH_CHUNK or tile sizes")
@@ -216,7 +184,7 @@ class Megakernel:
             raise ValueError(f"loopback runs one rank alone, but reduce={sched.reduce!r} needs the "
                              f"other ranks' owner tiles; build the schedule with reduce='oneshot'")
         dtype = shards[0].qkv.dtype
-        kmax, self.smem = check_shapes(cfg, sched, dtype, kernel_macros(defines))
+        kmax, self.smem = check_shapes(cfg, sched, dtype)
         dev = k_caches[0].device
         if dev.type != "cuda":
             raise ValueError(f"the megakernel needs CUDA tensors, got caches on {dev}")

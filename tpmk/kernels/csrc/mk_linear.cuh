@@ -22,19 +22,13 @@ __device__ __noinline__ float* linear(const KernelArgs& a, int batch, int K, int
   float* base = smem + NWARPS * BATCH_CHUNK;
 #ifdef MK_HAS_MMA
   if (mma_batch(batch)) {
-    float* outs = base + mma_out_at(nb);
+    float* outs = base + MMA_OUT_AT;
     matvec_mma(a, K, b0, nb, nrows, src, row, outs, base);
     return outs;
   }
 #endif
   float* xs = base;
-  // [nb][nrows] after the inputs' rows (megakernel.smem_bytes): batches below MMA_MIN_BATCH
-  // only where the tensor cores run the rest.
-#ifdef MK_HAS_MMA
-  float* outs = xs + min(min(BATCH_CHUNK, isa::MMA_MIN_BATCH - 1), a.bucket) * a.kmax;
-#else
-  float* outs = xs + min(BATCH_CHUNK, a.bucket) * a.kmax;
-#endif
+  float* outs = xs + min(BATCH_CHUNK, a.bucket) * a.kmax;   // [nb][nrows] (megakernel.smem_bytes)
   prof_mark(a, 5);
 #ifdef MK_GU_SPLIT
   load_normed(a, src.x, src.ldx, b0, nb, K, src.nw, xs, red, src.k0);

@@ -85,26 +85,6 @@ __host__ __device__ constexpr int mma_kc() { return mma_kc2<NT>() * 2 / mma_xd<N
 constexpr int MMA_OUT_WORDS = isa::MMA_OUT_WORDS;    // staged outputs [nb][nrows], at most
 constexpr int MMA_OUT_AT = MMA_PASS + 2 * MMA_XWORDS;   // ss, two chunk buffers, then the outputs
 static_assert(MMA_OUT_AT == isa::MMA_OUT_AT, "isa.MMA_OUT_AT (the host's layout) drifted");
-template <int NT>   // m-tiles per warp
-__host__ __device__ constexpr int mma_mt() { return NT >= MMA_MT_FROM ? MMA_MT : 1; }
-// Where matvec_mma_nt<NT> stages its outputs: after its sums of squares and its chunk buffers
-// (which the split-K partials reuse), so a pass of few n-tiles leaves the rest of the CTA's
-// shared memory to L1 (megakernel.mma_out_at mirrors this; at NT 16 it is MMA_OUT_AT).
-template <int NT>
-__host__ __device__ constexpr int mma_out_at_nt() {
-  return MMA_PASS + (mma_xd<NT>() * NT * 8 * (mma_kc<NT>() + 32) / 2 > NWARPS * mma_mt<NT>() * NT * 128
-                         ? mma_xd<NT>() * NT * 8 * (mma_kc<NT>() + 32) / 2 : NWARPS * mma_mt<NT>() * NT * 128);
-}
-static_assert(mma_out_at_nt<16>() <= MMA_OUT_AT, "the staged outputs fit MMA_SMEM_WORDS");
-#ifdef MK_HOST_OUT_AT_1   // what the host sized shared memory by (megakernel_options)
-static_assert(mma_out_at_nt<1>() == MK_HOST_OUT_AT_1 && mma_out_at_nt<2>() == MK_HOST_OUT_AT_2 &&
-              mma_out_at_nt<4>() == MK_HOST_OUT_AT_4 && mma_out_at_nt<8>() == MK_HOST_OUT_AT_8 &&
-              mma_out_at_nt<16>() == MK_HOST_OUT_AT_16, "megakernel.mma_out_at drifted from mma_out_at_nt");
-#endif
-__device__ __forceinline__ int mma_out_at(int nb) {   // matvec_mma's dispatch by nb
-  return nb <= 8 ? mma_out_at_nt<1>() : nb <= 16 ? mma_out_at_nt<2>() : nb <= 32 ? mma_out_at_nt<4>()
-       : nb <= 64 ? mma_out_at_nt<8>() : mma_out_at_nt<16>();
-}
 
 // Weight rows through ldg_w<true> (mk_common.cuh): not kept in L1, and a 256-byte
 // L2 fetch: a warp reads each of its 16 rows in 64-byte pieces, one per k block, and the K-part
@@ -162,7 +142,7 @@ __device__ __forceinline__ void mma_stage(const __nv_bfloat16* src, int ldx, int
 template <int NT>
 __device__ __noinline__ void matvec_mma_nt(const KernelArgs& a, int K, int b0, int nb, int nrows, const XSrc& src,
                                            const RowMap& row, float* outs, float* sm) {
-  constexpr int MT = mma_mt<NT>();   // m-tiles per warp
+  constexpr int MT = NT >= MMA_MT_FROM ? MMA_MT : 1;   // m-tiles per warp
   constexpr int KC = mma_kc<NT>(), XS = KC + 32, NB = NT * 8, NKB = KC / 32;
   constexpr int U = NT < 8 ? MMA_U_SMALL : MT > 1 ? MMA_U_MT : MMA_U_BIG;
   constexpr int XD = mma_xd<NT>();
