@@ -7,7 +7,7 @@ from _mk_helpers import (empty_caches, random_shards, shards_for, stable_topk, t
                          tie_topk_ids, topk_near_ties, with_lm_head)
 from tpmk.config import ModelConfig
 from tpmk.kernels.interpreter import VM
-from tpmk.kernels.isa import MMA_MIN_BATCH, NTHREADS, TOPK
+from tpmk.kernels.isa import MAX_SPLITS, MMA_MIN_BATCH, NTHREADS, TOPK
 from tpmk.kernels.schedule import build_schedule
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
@@ -84,10 +84,10 @@ def test_tiny_matches_interpreter_64_steps(name, tp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 32])
+@pytest.mark.parametrize("splits", [1, 32, MAX_SPLITS])
 def test_attention_split_extremes(splits):
-    """One split (no merge) and 32 splits (the merge's one-lane-per-split limit; most
-    splits see one or no token of these short prompts)."""
+    """One split (no merge), 32 (one per lane of the merge's warp) and MAX_SPLITS (four per
+    lane); most splits see one or no token of these short prompts."""
     cfg = ModelConfig.from_name("llama-3.2-1b").replace(num_hidden_layers=2)
     shards = random_shards(cfg, 8, seed=3)
     vm, mk = _pair(cfg, 8, 2, shards, splits=splits)
@@ -102,6 +102,7 @@ def test_attention_split_extremes(splits):
     (64, 16, 4, 1, 0, 2, "bfloat16"),    # G = 4, D = 64, splits chosen by the scheduler
     (64, 32, 8, 2, 2, 5, "bfloat16"),
     (128, 64, 8, 8, 1, 3, "float32"),    # the f32 build: 64-token chunks
+    (128, 64, 8, 8, 96, 1, "bfloat16"),  # 96 splits of ~3 tokens: the merge's lanes take three each
 ])
 def test_attention_long_context(head_dim, heads, kv_heads, tp, splits, batch, dtype):
     """Contexts of 300-727 tokens over random K/V caches on shuffled pages: several
@@ -335,7 +336,7 @@ def test_loopback_refuses_reduce_scatter_schedule():
 @pytest.mark.parametrize("change,splits,message", [
     (dict(head_dim=96), 0, "head_dim=96 is not supported"),
     (dict(intermediate_size=392), 0, "intermediate/tp=196 must be a multiple of 8"),
-    ({}, 33, "num_splits=33 > 32"),
+    ({}, 129, "num_splits=129 > 128"),
     # G x D = 32 x 256 = 8192 > 8 * NTHREADS while NTHREADS < 1024
     (dict(num_attention_heads=64, num_key_value_heads=2, head_dim=256), 0,
      f"32 query heads per kv head x head_dim=256 > {8 * NTHREADS}"),

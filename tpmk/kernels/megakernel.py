@@ -142,9 +142,9 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple
         raise ValueError(f"{hq // hkv} query heads per kv head x head_dim={D} > {8 * NTHREADS}: "
                          f"attention keeps one 8-wide output octet per thread (NTHREADS="
                          f"{NTHREADS}); use a larger tp or a model with fewer heads per kv head")
-    if sched.num_splits > 32:
-        raise ValueError(f"num_splits={sched.num_splits} > 32 (the split merge uses one lane "
-                         f"per split)")
+    if sched.num_splits > isa.MAX_SPLITS:
+        raise ValueError(f"num_splits={sched.num_splits} > {isa.MAX_SPLITS} (the split merge's lanes "
+                         f"take {isa.MAX_SPLITS // 32} splits each)")
     kmax = max(H, hq * D, inter)
     smem = smem_bytes(cfg, sched, kmax, dtype)
     if smem > SMEM_LIMIT:

@@ -52,12 +52,27 @@ __device__ void merge_group(const KernelArgs& a, const float* part, float* out, 
   const int n4 = G * D / 4, P = max(1, NTHREADS / n4);
   float* coef = smem;                  // [G, S]
   float4* red = reinterpret_cast<float4*>(smem + ((G * S + 3) & ~3));   // [P, n4] when P > 1
-  for (int h = threadIdx.x >> 5; h < G; h += NWARPS) {   // one warp per head, a lane per split
-    const float* p = part + ((size_t)h * S + lane) * (D + 2) + D;
-    const bool ok = lane < S;
-    const float m = ok ? ld_act(p) : isa::NEG_INF, l = ok ? ld_act(p + 1) : 0.f;
-    const float M = warp_max(m), e = ok ? expf(m - M) : 0.f, inv = 1.f / warp_sum(e * l);
-    if (ok) coef[h * S + lane] = e * inv;
+  constexpr int SL = isa::MAX_SPLITS / 32;   // splits per lane: lane + 32 j
+  for (int h = threadIdx.x >> 5; h < G; h += NWARPS) {   // one warp per head
+    const float* p = part + (size_t)h * S * (D + 2) + D;
+    float m[SL], l[SL], mx = isa::NEG_INF, sl = 0.f;
+#pragma unroll
+    for (int j = 0; j < SL; j++) {
+      const int s = lane + 32 * j;
+      m[j] = s < S ? ld_act(p + s * (D + 2)) : isa::NEG_INF;
+      l[j] = s < S ? ld_act(p + s * (D + 2) + 1) : 0.f;
+      mx = fmaxf(mx, m[j]);
+    }
+    const float M = warp_max(mx);
+#pragma unroll
+    for (int j = 0; j < SL; j++) {
+      m[j] = lane + 32 * j < S ? expf(m[j] - M) : 0.f;   // e_s
+      sl += m[j] * l[j];
+    }
+    const float inv = 1.f / warp_sum(sl);
+#pragma unroll
+    for (int j = 0; j < SL; j++)
+      if (lane + 32 * j < S) coef[h * S + lane + 32 * j] = m[j] * inv;
   }
   __syncthreads();
   prof_mark(a, 15);   // the merge's coefficients (the splits' m, l loaded)
