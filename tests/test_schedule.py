@@ -153,3 +153,17 @@ def test_gate_up_slices_are_validated():
     for bad in (0, 3, 32):
         with pytest.raises(ValueError, match=f"gu_splits={bad}: hidden_size=128"):
             build_schedule(cfg, 2, 4, 8, gu_splits=bad)
+
+
+@pytest.mark.parametrize("name,tp,bucket,sms,want", [
+    ("llama-3-70b", 8, 1, 132, 64),   # one (sequence, kv head) pair: up to 64 splits
+    ("llama-3-70b", 8, 2, 132, 32),   # 66 would fit; 64 measured no faster at batch 2
+    ("llama-3-70b", 8, 8, 132, 16),
+    ("llama-3-70b", 8, 1, 40, 40),    # fewer SMs than the cap
+    ("llama-3.2-1b", 1, 1, 132, 16),  # 8 kv heads share the SMs
+    ("tiny", 8, 4, 5, 1)])
+def test_default_attention_splits_fill_the_sms_up_to_the_cap(name, tp, bucket, sms, want):
+    s = build_schedule(ModelConfig.from_name(name), tp, bucket, sms)
+    assert s.num_splits == want
+    tiles = {(i.tile, i.arg4) for i in s.instructions if i.name == "attention"}
+    assert len(tiles) // ModelConfig.from_name(name).num_hidden_layers <= sms

@@ -176,10 +176,14 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         raise ValueError(f"gu_splits={gu_splits}: hidden_size={H} must split into gu_splits slices of "
                          f"a multiple of 8 columns; use a divisor of {H // 8}")
     inter, vp = cfg.intermediate_size // tp, padded_vocab(cfg, tp) // tp
-    if num_splits == 0:  # enough attention tiles to cover the SMs, at most 32 splits (the
-        # merge's one lane per split). 32 rather than 16 at batch 1 of a 70B tp=8 rank on an
-        # H200: 12.7 vs 14.3 ms per step at ctx 4096, 11.4 vs 11.5 at ctx 1024 (2026-12-03).
-        num_splits = max(1, min(32, num_sms // (bucket * hkv)))
+    if num_splits == 0:  # enough attention tiles to cover the SMs: at most 64 splits for one
+        # (sequence, kv head) pair, 32 otherwise. Batch 1 of a 70B tp=8 rank on an H100, three
+        # passes: 64 vs 32 splits 9.28 vs 9.69 ms per step at ctx 4096, 9.05 vs 9.02 at ctx 1024
+        # (128: 9.29 / 9.13); at batch 2, 64 splits were level at ctx 4096 and 0.9 % slower at
+        # ctx 1024, 128 20 % slower (2026-12-08). 32 rather than 16 at batch 1 on an H200: 12.7
+        # vs 14.3 ms at ctx 4096 (2026-12-03).
+        cap = 64 if bucket * hkv == 1 else 32
+        num_splits = max(1, min(cap, num_sms // (bucket * hkv)))
     ctr = _Counters()
     n_stages = 2 * L + 1
     h_tiles = _tiles(H, num_sms, 8)
