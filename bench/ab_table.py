@@ -8,6 +8,10 @@ brackets, and its change against the first variant met (the baseline: pass it fi
 different cards are refused: their times do not compare.
 
   python bench/ab_table.py OUT/m5_1 OUT/m2_1 OUT/m5_2 OUT/m2_2
+  python bench/ab_table.py --tag "@a1b2c3d" OUT/sweep1   # name what a run cannot record itself
+
+A tag (bench/tune_sweep.sh writes one for an @REV tree or a SWEEP_ENV environment, which a
+run's JSON does not hold) leads its runs' label.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from pathlib import Path
 
 def label(run: dict) -> str:
     """What a run varied, in a stable order; the defaults print as "default"."""
-    parts = []
+    parts = [run["tag"]] if run.get("tag") else []
     if "mma_min_batch" in run:
         parts.append(f"MMA_MIN_BATCH={run['mma_min_batch']}")
     parts += list(run.get("defines") or [])
@@ -49,6 +53,15 @@ def load(folders: list[Path]) -> list[dict]:
     return runs
 
 
+def tag(folders: list[Path], text: str) -> None:
+    """Set "tag" in every decode_*.json under the folders (a missing folder: a timed-out pass)."""
+    for folder in folders:
+        for f in sorted(folder.rglob("decode_*.json")) if folder.is_dir() else []:
+            res = json.loads(f.read_text())
+            res["tag"] = text
+            f.write_text(json.dumps(res))
+
+
 def table(runs: list[dict]) -> tuple[list[str], dict[tuple[int, int], dict[str, list[float]]]]:
     """Variant labels in first-met order, and per (batch, ctx) each variant's step times."""
     labels: list[str] = []
@@ -65,7 +78,11 @@ def table(runs: list[dict]) -> tuple[list[str], dict[tuple[int, int], dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+", type=Path, help="bench/decode.py --out folders (or JSON files)")
+    ap.add_argument("--tag", help="write this tag into every run under the folders, print nothing")
     args = ap.parse_args()
+    if args.tag is not None:
+        tag(args.folders, args.tag)
+        return
     runs = load(args.folders)
     labels, times = table(runs)
     print(f"== {runs[0]['device']}: {len(runs)} runs, mean ms [min-max] and change against v1")

@@ -49,10 +49,14 @@ for v in "$@"; do
   (cd "$dir" && env PYTHONPATH=. $envs timeout ${BENCH_TIMEOUT:-120} python3 bench/decode.py \
     ${SWEEP_BENCH:---batch 1 --ctx 1024 --no-baseline --iters 5} \
     $args ${macros:+--define $macros} ${SWEEP_PROFILE:+--profile "$OUT/trace_v$i.json"} --out "$OUT/sweep$i" 2>&1 | tail -n +3)
+  # what the run's JSON cannot hold: the other tree (its label then also shows its macros), or
+  # the environment
+  if [[ $v == @* ]]; then python3 bench/ab_table.py --tag "${v%% *}" "$OUT/sweep$i"
+  elif [ -n "${SWEEP_ENV:-}" ]; then python3 bench/ab_table.py --tag "${v:-default env}" "$OUT/sweep$i"
+  fi
 done
-# every variant's mean over its passes against variant 1's (bench/ab_table.py; not for @REV or
-# SWEEP_ENV variants: their runs record neither the tree nor the environment)
-[[ " $* " == *" @"* || -n "${SWEEP_ENV:-}" ]] || python3 bench/ab_table.py $(for ((j = 1; j <= i; j++)); do echo "$OUT/sweep$j"; done)
+# every variant's mean over its passes against variant 1's
+python3 bench/ab_table.py $(for ((j = 1; j <= i; j++)); do echo "$OUT/sweep$j"; done)
 for t in "$OUT"/trace*.json; do
   [ -f "$t" ] && echo "== $(basename "$t")" && python3 bench/profile_stats.py "$t" --starts | sed -n 1,24p
 done

@@ -63,3 +63,15 @@ def test_empty_passes_left_out_and_no_runs_refused(tmp_path):
     with pytest.raises(SystemExit, match="no decode_"):
         load([tmp_path / "empty", tmp_path / "does_not_exist"])
     assert [r["rows"][0]["mk_ms"] for r in load([tmp_path / "empty", a])] == [9.0]   # a timed-out pass
+
+
+def test_tags_name_what_a_run_cannot_record(tmp_path):
+    """--tag marks an @REV tree's (or an environment's) runs, so they group apart from the
+    same-looking runs of this tree."""
+    head = run(tmp_path / "head", {(1, 1024): 9.0}, mma_min_batch=2)
+    old = run(tmp_path / "old", {(1, 1024): 9.5}, mma_min_batch=2)
+    subprocess.run([sys.executable, str(ROOT / "bench" / "ab_table.py"), "--tag", "@abc1234", str(old),
+                    str(tmp_path / "timed_out")], check=True)
+    labels, times = table(load([old, head]))
+    assert labels == ["@abc1234 MMA_MIN_BATCH=2", "MMA_MIN_BATCH=2"]
+    assert times[(1, 1024)] == {"@abc1234 MMA_MIN_BATCH=2": [9.5], "MMA_MIN_BATCH=2": [9.0]}
