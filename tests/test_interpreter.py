@@ -55,6 +55,33 @@ def test_engine_matches_hf_greedy(name, tp, reduce):
 
 
 
+def test_each_step_runs_the_smallest_bucket_that_holds_it():
+    """max_batch 8: one schedule per bucket 1 / 2 / 4 / 8 on the same caches. Three sequences
+    run bucket 4, then sequence 0 alone bucket 1 (whose schedule differs: more attention
+    splits); every sequence's tokens are HF's greedy ones."""
+    cfg = ModelConfig.from_name("tiny-gqa")
+    model, shards = shards_for(cfg, 2, seed=5)
+    rt = RuntimeConfig(tp=2, device="cpu", dtype="float32", max_batch=8, max_seq_len=32,
+                       page_size=PAGE, num_pages=24)
+    eng = InterpreterEngine(cfg, rt, shards)
+    assert {b: vm.sched.bucket for b, vm in eng.vms.items()} == {1: 1, 2: 2, 4: 4, 8: 8}
+    assert eng.vms[1].sched.num_splits > eng.vms[8].sched.num_splits
+    pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+    greedy = [SamplingParams()] * 3
+    got = [[t] for t in eng.prefill(Prefill(PROMPTS, pages, greedy)).tokens]
+    res = eng.decode(Decode([g[-1] for g in got], [len(p) for p in PROMPTS], pages, greedy))
+    assert eng.vm.sched.bucket == 4
+    for b in range(3):
+        got[b].append(res.tokens[b])
+    for s in range(3):
+        res = eng.decode(Decode([got[0][-1]], [len(PROMPTS[0]) + 1 + s], pages[:1], greedy[:1]))
+        assert eng.vm.sched.bucket == 1
+        got[0].append(res.tokens[0])
+    assert got[0] == hf_greedy(model, PROMPTS[0], 5)[0]
+    for b in (1, 2):
+        assert got[b] == hf_greedy(model, PROMPTS[b], 2)[0]
+
+
 def _bf16_batch_against_hf(seed: int, B: int, steps: int, order: str = "program", **sched_kw):
     """tiny-gqa tp 2 with bf16 weights, B lockstep sequences of `steps` tokens (batch >=
     MMA_MIN_BATCH: bf16 matvec inputs) on the interpreter, against HF float32 on the same
@@ -413,8 +440,8 @@ def test_engine_samples_top_k_from_candidates_without_logits_copy():
                        page_size=PAGE, num_pages=24)
     eng = InterpreterEngine(cfg, rt, shards, prefill="stream")
     copies = []
-    full_logits = eng.vm.logits
-    eng.vm.logits = lambda: copies.append(1) or full_logits()
+    for vm in eng.vms.values():   # every bucket's (the stream prefill's last steps run smaller ones)
+        vm.logits = lambda full=vm.logits: copies.append(1) or full()
     pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
     params = _candidate_params(3)[::2] + [SamplingParams()]      # top_k 8, top_k 3 + top_p, greedy
     toks = eng.prefill(Prefill(PROMPTS, pages, params)).tokens

@@ -17,6 +17,17 @@ from dataclasses import dataclass, field
 from typing import Protocol, Union
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes an engine compiles for (the reference engine's CUDA graphs, the
+    instruction-stream engines' schedules): powers of two below max_batch, then max_batch. A
+    step of n sequences runs the smallest bucket >= n."""
+    b, out = 1, []
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0   # 0: greedy

@@ -8,6 +8,11 @@ batched prefill into the SAME paged KV caches (tpmk.engine.kv_cache.KVCache);
 position at a time (all sequences in lockstep), which needs nothing but the
 stream itself.
 
+Buckets: one schedule (and VM) per batch size of batch_buckets(max_batch), all on the same
+KV caches and weights; a step of n sequences runs the smallest bucket >= n, whose schedule
+was built for n (attention splits, tile shapes, reduce mode). A single sequence then runs
+bucket 1's schedule, not max_batch's.
+
 Sampling: greedy rows take the stream's argmax; sampled rows with
 1 <= top_k <= TOPK sample from the stream's top-TOPK candidates; only the other
 sampled rows (and return_logits) copy the full logits to the host.
@@ -21,7 +26,7 @@ import torch
 
 from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine.kv_cache import KVCache
-from tpmk.engine.api import Decode, Prefill, SamplingParams, StepResult
+from tpmk.engine.api import Decode, Prefill, SamplingParams, StepResult, batch_buckets
 from tpmk.kernels.interpreter import VM
 from tpmk.kernels.isa import TOPK
 from tpmk.kernels.schedule import build_schedule
@@ -84,7 +89,9 @@ class InterpreterEngine:
         self.caches = [KVCache.allocate(cfg, runtime, device, dtype) for _ in shards]
         self.k_caches = [c.k for c in self.caches]
         self.v_caches = [c.v for c in self.caches]
-        self.vm = self.build_vm()
+        self.buckets = batch_buckets(runtime.max_batch)
+        self.vms = {b: self.build_vm(b) for b in self.buckets}
+        self.vm = self.vms[self.buckets[-1]]   # the latest step's (logits, top-k, profile)
 
     def check_ranks(self, runtime: RuntimeConfig, shards: list[RankWeights], group) -> None:
         if group is not None or len(shards) != runtime.tp:
@@ -95,8 +102,8 @@ class InterpreterEngine:
     def device(self, runtime: RuntimeConfig) -> str:
         return "cpu"
 
-    def build_vm(self):
-        schedule = build_schedule(self.cfg, self.runtime.tp, self.runtime.max_batch, INTERPRETER_SMS,
+    def build_vm(self, bucket: int):
+        schedule = build_schedule(self.cfg, self.runtime.tp, bucket, INTERPRETER_SMS,
                                   reduce=self.runtime.reduce)
         return VM(self.cfg, schedule, self.shards, self.k_caches, self.v_caches)
 
@@ -113,6 +120,12 @@ class InterpreterEngine:
         B = self.runtime.max_batch
         return [list(range(i, min(n, i + B))) for i in range(0, n, B)]
 
+    def _step(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
+        """One step of len(tokens) <= max_batch sequences on the smallest bucket that holds
+        them; self.vm is then that bucket's (its logits and top-k are this step's)."""
+        self.vm = self.vms[next(b for b in self.buckets if b >= len(tokens))]
+        return self.vm.step(tokens, positions, pages)
+
     def prefill(self, cmd: Prefill) -> StepResult:
         if self.prefill_mode == "reference":
             return self._reference_engine().prefill(cmd)
@@ -126,8 +139,8 @@ class InterpreterEngine:
             longest = max(len(cmd.tokens[b]) for b in chunk)
             for pos in range(longest):
                 live = [b for b in chunk if pos < len(cmd.tokens[b])]
-                toks = self.vm.step([cmd.tokens[b][pos] for b in live], [pos] * len(live),
-                                    [cmd.pages[b] for b in live]).cpu()
+                toks = self._step([cmd.tokens[b][pos] for b in live], [pos] * len(live),
+                                  [cmd.pages[b] for b in live]).cpu()
                 ends = [i for i, b in enumerate(live) if pos == len(cmd.tokens[b]) - 1]
                 if not ends:
                     continue
@@ -149,8 +162,8 @@ class InterpreterEngine:
         want_topk = any(uses_candidates(s) for s in cmd.sampling)
         toks, logits, values, ids = [], [], [], []
         for chunk in self._chunks(len(cmd.tokens)):
-            toks.append(self.vm.step([cmd.tokens[b] for b in chunk], [cmd.positions[b] for b in chunk],
-                                     [cmd.pages[b] for b in chunk]).cpu().long())
+            toks.append(self._step([cmd.tokens[b] for b in chunk], [cmd.positions[b] for b in chunk],
+                                   [cmd.pages[b] for b in chunk]).cpu().long())
             if want_logits:  # [batch, vocab]: the one large device-to-host copy of a step
                 logits.append(self.vm.logits().cpu())
             if want_topk:

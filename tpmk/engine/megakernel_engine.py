@@ -41,12 +41,14 @@ class MegakernelEngine(InterpreterEngine):
             raise ValueError("engine='megakernel' needs a CUDA GPU; use engine='interpreter' on CPU")
         return "cuda"
 
-    def build_vm(self):
+    def build_vm(self, bucket: int):
+        """One Megakernel per bucket (per-process mode: collective, every rank builds the same
+        buckets in the same order); they share the weights, the KV caches and the compiled
+        module's cubin, each with its own activations, counters and peer buffers."""
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         if self.group is None:   # virtual TP: the ranks share this GPU's SMs
             sms //= self.runtime.tp
-        schedule = build_schedule(self.cfg, self.runtime.tp, self.runtime.max_batch, sms,
-                                  reduce=self.runtime.reduce)
+        schedule = build_schedule(self.cfg, self.runtime.tp, bucket, sms, reduce=self.runtime.reduce)
         max_pages = -(-self.runtime.max_seq_len // self.runtime.page_size)
         return Megakernel(self.cfg, schedule, self.shards, self.k_caches, self.v_caches,
                           max_pages_per_seq=max_pages, profile=bool(self.runtime.profile),
@@ -61,6 +63,5 @@ class MegakernelEngine(InterpreterEngine):
 
     def close(self) -> None:
         """Per-process mode: collective, every rank unmaps its peers' buffers together."""
-        vm = getattr(self, "vm", None)
-        if vm is not None:
+        for vm in getattr(self, "vms", {}).values():
             vm.close()

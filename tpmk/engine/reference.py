@@ -19,19 +19,10 @@ import torch.distributed as dist
 
 from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine import model as M
-from tpmk.engine.api import Decode, Prefill, StepResult
+from tpmk.engine.api import Decode, Prefill, StepResult, batch_buckets
 from tpmk.engine.kv_cache import HostPageTable, KVCache, check_pages, page_slots
 from tpmk.engine.sampling import gather_ranks, sample_vocab_parallel
 from tpmk.partition.weights import RankWeights
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """CUDA-graph batch sizes: powers of two below max_batch, then max_batch."""
-    b, out = 1, []
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return out + [max_batch]
 
 
 class ReferenceEngine:
