@@ -107,7 +107,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=d.page_size, metavar="T",
                    help="tokens per KV-cache page, a power of two (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=d.max_batch, metavar="B",
-                   help="most sequences per step (default %(default)s)")
+                   help="most sequences per step; the engines build batch buckets 1, 2, 4, .. "
+                        "up to it (CUDA graphs, schedules) and run each step on the smallest "
+                        "that holds it (default %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, metavar="T",
                    help="longest prompt + generated tokens (default %(default)s)")
     p.add_argument("--num-pages", type=int, default=0, metavar="P",
@@ -119,7 +121,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="interpreter / megakernel: how the o_proj and down partial sums meet; "
                         "oneshot: every rank pushes to every rank (one hop), rsag: "
                         "reduce-scatter to each tile's owner + all-gather, auto: whichever an "
-                        "NVLink cost model says is faster at --max-batch (default %(default)s)")
+                        "NVLink cost model says is faster at each batch bucket (default %(default)s)")
     p.add_argument("--profile", default="", metavar="TRACE.json",
                    help="megakernel: write per-instruction start/end times of the latest decode "
                         "step as a Chrome trace (open in chrome://tracing or Perfetto)")
