@@ -33,6 +33,8 @@ def label(run: dict) -> str:
             parts.append(f"{flag} {run[key]}")
     if run.get("gu_splits", 1) != 1:
         parts.append(f"--gu-splits {run['gu_splits']}")
+    if run.get("bucket"):
+        parts.append(f"--bucket {run['bucket']}")
     return " ".join(parts) or "default"
 
 

@@ -133,6 +133,9 @@ def main():
                     help="extra megakernel macros for tuning experiments, e.g. PREFETCH_CAP=393216")
     ap.add_argument("--splits", type=int, default=0,
                     help="attention splits per (sequence, kv head); 0: the scheduler's choice")
+    ap.add_argument("--bucket", type=int, default=0,
+                    help="run every batch on this bucket's schedule (>= each batch; what an engine "
+                         "without batch buckets did); 0: each batch its own bucket")
     ap.add_argument("--qkv-pairs", type=int, default=0,
                     help="rotary pairs per qkv tile (build_schedule qkv_pairs); 0: one tile per SM")
     ap.add_argument("--gu-splits", type=int, default=1,
@@ -140,6 +143,8 @@ def main():
     ap.add_argument("--profile", default="", help="write a Chrome trace (per-instruction start/end) "
                     "of the first configuration's last step to this JSON file")
     args = ap.parse_args()
+    if args.bucket and args.bucket < max(args.batch):
+        ap.error(f"--bucket {args.bucket} < --batch {max(args.batch)}: a bucket holds at most its size")
     cfg = ModelConfig.from_name(args.model)
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers)
@@ -160,7 +165,7 @@ def main():
             kc = torch.randn(L, B * per_seq, hkv, args.page_size, cfg.head_dim, device="cuda",
                              dtype=torch.bfloat16)
             vc = torch.randn_like(kc)
-            sched = build_schedule(cfg, args.tp, B, dev.multi_processor_count, num_splits=args.splits,
+            sched = build_schedule(cfg, args.tp, args.bucket or B, dev.multi_processor_count, num_splits=args.splits,
                                    qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits)
             row = dict(batch=B, ctx=ctx, bytes=wbytes + kv_bytes)
             t0 = time.time()
@@ -195,6 +200,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     name = dev.name.replace(" ", "_")
     res = dict(device=dev.name, copy_bw_Bps=bw, model=cfg.name, tp=args.tp, defines=args.define, splits=args.splits,
+               bucket=args.bucket,
                qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits, mma_min_batch=isa.MMA_MIN_BATCH,
                layers=cfg.num_hidden_layers, weights_bytes=wbytes, note="one rank, peer slots looped back; baseline: torch + CUDA graph, "
                "contiguous KV, no communication", rows=rows)

@@ -29,6 +29,7 @@ def test_labels_name_what_varied():
     assert label(dict(base, mma_min_batch=2)) == "MMA_MIN_BATCH=2"
     assert label(dict(base, defines=["MK_ATTN_EARLY=1", "MK_ATTN_SPREAD=1"], qkv_pairs=8, gu_splits=2)) == \
         "MK_ATTN_EARLY=1 MK_ATTN_SPREAD=1 --qkv-pairs 8 --gu-splits 2"
+    assert label(dict(base, splits=64, bucket=128)) == "--splits 64 --bucket 128"
 
 
 def test_passes_grouped_and_compared_to_the_first_variant(tmp_path):
