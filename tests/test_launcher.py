@@ -280,7 +280,8 @@ def test_process_count_per_engine_and_launcher(engine, launcher, procs):
 def test_megakernel_one_rank_per_process_matches_virtual_tp(tiny_dir):
     """Two worker processes, one shard each, peers' buffers through CUDA IPC (on one GPU
     the two cooperative kernels time-slice; on two GPUs they run side by side): the same
-    greedy tokens and close logits as the virtual-TP megakernel in this process."""
+    greedy tokens and close logits as the virtual-TP megakernel in this process, at batch 2
+    and then on bucket 1's schedule (each bucket its own peer region)."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -293,12 +294,13 @@ def test_megakernel_one_rank_per_process_matches_virtual_tp(tiny_dir):
         try:
             res = client.execute(Prefill(tokens=[[1, 2, 3], [4, 5]], pages=pages, sampling=greedy))
             toks, logits = [res.tokens], []
-            for s in range(6):
-                res = client.execute(Decode(tokens=toks[-1], positions=[3 + s, 2 + s], pages=pages,
-                                            sampling=greedy, return_logits=True))
+            for s in range(8):   # the last two steps: sequence 0 alone (bucket 1 of max_batch 2)
+                n = 2 if s < 6 else 1
+                res = client.execute(Decode(tokens=toks[-1][:n], positions=[3 + s, 2 + s][:n], pages=pages[:n],
+                                            sampling=greedy[:n], return_logits=True))
                 toks.append(res.tokens)
                 logits.append(torch.tensor(res.logits))
-            runs.append((toks, torch.stack(logits)))
+            runs.append((toks, torch.cat(logits)))
         finally:
             client.close()
     (t_inline, l_inline), (t_local, l_local) = runs
