@@ -38,12 +38,17 @@ def label(run: dict) -> str:
     return " ".join(parts) or "default"
 
 
+def run_files(folder: Path) -> list[Path]:
+    """The decode_*.json under a folder (sorted), the file itself, or none if it is missing."""
+    return sorted(folder.rglob("decode_*.json")) if folder.is_dir() else [folder] if folder.is_file() else []
+
+
 def load(folders: list[Path]) -> list[dict]:
     """The runs, in argument order (each folder's files sorted); folders without any are left
     out with a note, and none at all is an error."""
     runs = []
     for folder in folders:   # a pass that timed out leaves its folder empty: the rest still count
-        files = sorted(folder.rglob("decode_*.json")) if folder.is_dir() else [folder] if folder.is_file() else []
+        files = run_files(folder)
         if not files:
             print(f"(no decode_*.json under {folder}: left out)", file=sys.stderr)
         runs += [json.loads(f.read_text()) for f in files]
@@ -56,9 +61,9 @@ def load(folders: list[Path]) -> list[dict]:
 
 
 def tag(folders: list[Path], text: str) -> None:
-    """Set "tag" in every decode_*.json under the folders (a missing folder: a timed-out pass)."""
+    """Set "tag" in every run under the folders (a missing folder: a timed-out pass)."""
     for folder in folders:
-        for f in sorted(folder.rglob("decode_*.json")) if folder.is_dir() else []:
+        for f in run_files(folder):
             res = json.loads(f.read_text())
             res["tag"] = text
             f.write_text(json.dumps(res))

@@ -163,7 +163,8 @@ def test_gate_up_slices_are_validated():
     ("llama-3.2-1b", 1, 1, 132, 16),  # 8 kv heads share the SMs
     ("tiny", 8, 4, 5, 1)])
 def test_default_attention_splits_fill_the_sms_up_to_the_cap(name, tp, bucket, sms, want):
-    s = build_schedule(ModelConfig.from_name(name), tp, bucket, sms)
+    cfg = ModelConfig.from_name(name)
+    s = build_schedule(cfg, tp, bucket, sms)
     assert s.num_splits == want
     tiles = {(i.tile, i.arg4) for i in s.instructions if i.name == "attention"}
-    assert len(tiles) // ModelConfig.from_name(name).num_hidden_layers <= sms
+    assert len(tiles) // cfg.num_hidden_layers <= sms

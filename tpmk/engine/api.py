@@ -28,6 +28,11 @@ def batch_buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def bucket_for(buckets: list[int], n: int) -> int:
+    """The smallest of `buckets` (ascending, from batch_buckets) that holds n sequences."""
+    return next(b for b in buckets if b >= n)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0   # 0: greedy

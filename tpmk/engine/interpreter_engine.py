@@ -26,7 +26,7 @@ import torch
 
 from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine.kv_cache import KVCache
-from tpmk.engine.api import Decode, Prefill, SamplingParams, StepResult, batch_buckets
+from tpmk.engine.api import Decode, Prefill, SamplingParams, StepResult, batch_buckets, bucket_for
 from tpmk.kernels.interpreter import VM
 from tpmk.kernels.isa import TOPK
 from tpmk.kernels.schedule import build_schedule
@@ -123,7 +123,7 @@ class InterpreterEngine:
     def _step(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
         """One step of len(tokens) <= max_batch sequences on the smallest bucket that holds
         them; self.vm is then that bucket's (its logits and top-k are this step's)."""
-        self.vm = self.vms[next(b for b in self.buckets if b >= len(tokens))]
+        self.vm = self.vms[bucket_for(self.buckets, len(tokens))]
         return self.vm.step(tokens, positions, pages)
 
     def prefill(self, cmd: Prefill) -> StepResult:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine import model as M
-from tpmk.engine.api import Decode, Prefill, StepResult, batch_buckets
+from tpmk.engine.api import Decode, Prefill, StepResult, batch_buckets, bucket_for
 from tpmk.engine.kv_cache import HostPageTable, KVCache, check_pages, page_slots
 from tpmk.engine.sampling import gather_ranks, sample_vocab_parallel
 from tpmk.partition.weights import RankWeights
@@ -157,7 +157,7 @@ class ReferenceEngine:
     # ---- CUDA graphs ---------------------------------------------------
     def _replay(self, cmd: Decode) -> list[torch.Tensor]:
         B = len(cmd.tokens)
-        bucket = next(b for b in self.buckets if b >= B)
+        bucket = bucket_for(self.buckets, B)
         if bucket not in self._graphs:
             self._graphs[bucket] = self._capture(bucket)
         graph, tokens, positions, table, out = self._graphs[bucket]
