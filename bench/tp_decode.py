@@ -119,7 +119,8 @@ def main() -> None:
     for engine in args.engines:
         runtime = RuntimeConfig(tp=args.tp, engine=engine, device=args.device, dtype=cfg.dtype,
                                 max_batch=max(args.batch), max_seq_len=args.ctx + args.warmup + args.steps,
-                                reduce=args.reduce if engine in ("interpreter", "megakernel") else "auto")
+                                reduce=args.reduce if engine in ("interpreter", "megakernel") else "auto",
+                                megakernel_max_batch=0)   # every batch in the stream: what is timed
         rows += time_engine(model_dir, runtime, args.launcher, args.batch, args.ctx, args.warmup,
                             args.steps, cfg.vocab_size)
     base = {r["batch"]: r for r in rows if r["engine"] == args.engines[0]}

@@ -57,11 +57,14 @@ def test_generate_tp2_local_subprocess_matches_hf(gqa_dir):
                                                                         NEW_TOKENS)
 
 
-def test_generate_interpreter_engine_matches_hf(capsys, tiny_dir, hf_tiny):
-    """A virtual-TP engine: both ranks in one process (inline launcher by default)."""
+@pytest.mark.parametrize("extra", [[], ["--max-batch", "2", "--megakernel-max-batch", "1"]])
+def test_generate_interpreter_engine_matches_hf(capsys, tiny_dir, hf_tiny, extra):
+    """A virtual-TP engine: both ranks in one process (inline launcher by default). With
+    --max-batch 2 --megakernel-max-batch 1, the first batch's two sequences decode through the
+    reference engine and the last prompt alone through the stream."""
     out = _run_main(capsys, ["generate", "--model", tiny_dir, "--device", "cpu", "--tp", "2",
                              "--engine", "interpreter", *prompt_args(), "--max-new-tokens",
-                             str(NEW_TOKENS), "--ignore-eos", "--json"])
+                             str(NEW_TOKENS), "--ignore-eos", "--json", *extra])
     assert [g["token_ids"] for g in out] == hf_tiny[1][1:]
 
 
@@ -106,7 +109,7 @@ def test_help_lists_commands_and_flags(capsys):
     gen = capsys.readouterr().out
     for flag in ("--model", "--tp", "--engine", "--device", "--prompt", "--prompt-ids",
                  "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--json",
-                 "--launcher", "--reduce"):
+                 "--launcher", "--reduce", "--megakernel-max-batch"):
         assert flag in gen
 
 
@@ -122,6 +125,7 @@ def test_help_lists_commands_and_flags(capsys):
     (["--profile", "t.json"], "--profile needs --engine megakernel"),
     (["--reduce", "rsag"], "--reduce rsag needs --engine interpreter or megakernel"),
     (["--reduce", "ring"], "'ring'"),
+    (["--megakernel-max-batch", "-1"], "megakernel_max_batch=-1"),
     (["--engine", "megakernel"], "needs a CUDA GPU"),   # refused by the rank, no traceback
 ])
 def test_errors_name_the_bad_value(capsys, args, expected):

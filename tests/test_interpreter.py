@@ -82,6 +82,52 @@ def test_each_step_runs_the_smallest_bucket_that_holds_it():
         assert got[b] == hf_greedy(model, PROMPTS[b], 2)[0]
 
 
+def test_steps_above_megakernel_max_batch_decode_through_the_reference_engine(monkeypatch):
+    """max_batch 4, megakernel_max_batch 2: schedules for buckets 1 and 2 only; a step of three
+    sequences decodes through the reference engine, on the same KV caches (no second
+    allocation), and the stream's later steps read the KV it wrote: HF's greedy tokens
+    throughout."""
+    from tpmk.engine.kv_cache import KVCache
+    allocated = []
+    real = KVCache.allocate.__func__
+    monkeypatch.setattr(KVCache, "allocate", classmethod(
+        lambda cls, *a, **k: allocated.append(1) or real(cls, *a, **k)))
+    cfg = ModelConfig.from_name("tiny-gqa")
+    model, shards = shards_for(cfg, 2, seed=6)
+    rt = RuntimeConfig(tp=2, device="cpu", dtype="float32", max_batch=4, max_seq_len=32,
+                       page_size=PAGE, num_pages=24, megakernel_max_batch=2)
+    assert rt.stream_max_batch == 2
+    eng = InterpreterEngine(cfg, rt, shards)
+    assert sorted(eng.vms) == [1, 2]
+    pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+    greedy = [SamplingParams()] * 3
+    got = [[t] for t in eng.prefill(Prefill(PROMPTS, pages, greedy)).tokens]
+    for s in range(2):   # all three: the reference engine
+        res = eng.decode(Decode([g[-1] for g in got], [len(p) + s for p in PROMPTS], pages, greedy))
+        assert res.extra.get("decoded_by") == "reference"
+        for b in range(3):
+            got[b].append(res.tokens[b])
+    for s in range(2):   # sequences 0 and 1: the stream's bucket 2
+        live = [0, 1]
+        res = eng.decode(Decode([got[b][-1] for b in live], [len(PROMPTS[b]) + 2 + s for b in live],
+                                pages[:2], greedy[:2]))
+        assert "decoded_by" not in res.extra and eng.vm.sched.bucket == 2
+        for b in live:
+            got[b].append(res.tokens[b])
+    assert eng._reference_engine().caches is eng.caches
+    assert len(allocated) == 2   # one KV cache per rank, the engine's
+    for b in range(3):
+        assert got[b] == hf_greedy(model, PROMPTS[b], 5 if b < 2 else 3)[0], f"seq {b}"
+
+
+def test_megakernel_max_batch_is_validated():
+    with pytest.raises(ValueError, match="megakernel_max_batch=-1 must be >= 0"):
+        RuntimeConfig(megakernel_max_batch=-1)
+    assert RuntimeConfig(max_batch=8, megakernel_max_batch=0).stream_max_batch == 8
+    assert RuntimeConfig(max_batch=8, megakernel_max_batch=32).stream_max_batch == 8
+    assert RuntimeConfig(max_batch=128).stream_max_batch == 32
+
+
 def _bf16_batch_against_hf(seed: int, B: int, steps: int, order: str = "program", **sched_kw):
     """tiny-gqa tp 2 with bf16 weights, B lockstep sequences of `steps` tokens (batch >=
     MMA_MIN_BATCH: bf16 matvec inputs) on the interpreter, against HF float32 on the same

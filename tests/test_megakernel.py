@@ -1,5 +1,7 @@
 """CUDA megakernel (virtual TP on one GPU) vs the CPU interpreter running the same
 instruction stream on the same bf16 weights and bf16 KV cache, and vs HF transformers."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -434,10 +436,12 @@ def test_profile_trace_events_without_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp", [1, 4])
-def test_megakernel_engine_vs_reference_engine(tp):
+@pytest.mark.parametrize("tp,mk_max", [(1, 32), (4, 32), (4, 2)])
+def test_megakernel_engine_vs_reference_engine(tp, mk_max):
     """Engine level: reference prefill into the shared paged cache, megakernel decode,
-    against the reference engine (CUDA graphs) on the same bf16 shards."""
+    against the reference engine (CUDA graphs) on the same bf16 shards. mk_max 2: the steps of
+    three sequences decode through the engine's own reference engine (CUDA graphs, the same
+    KV cache), the later ones of one or two through the megakernel."""
     from tpmk.config import RuntimeConfig
     from tpmk.engine.api import Decode, Prefill, SamplingParams
     from tpmk.engine.megakernel_engine import MegakernelEngine
@@ -446,7 +450,7 @@ def test_megakernel_engine_vs_reference_engine(tp):
     _, shards = shards_for(cfg, tp, seed=2, dtype=torch.bfloat16)
     rt = RuntimeConfig(tp=tp, device="cuda", dtype="bfloat16", max_batch=4, max_seq_len=128)
     ref = ReferenceEngine(cfg, rt, [s.to("cuda") for s in shards])
-    mk = MegakernelEngine(cfg, rt, shards)
+    mk = MegakernelEngine(cfg, dataclasses.replace(rt, megakernel_max_batch=mk_max), shards)
     pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
     greedy = [SamplingParams()] * 3
     a = ref.prefill(Prefill(PROMPTS, pages, greedy))
@@ -458,7 +462,10 @@ def test_megakernel_engine_vs_reference_engine(tp):
         args = ([toks[i] for i in live], [pos[i] for i in live], [pages[i] for i in live], greedy[:len(live)])
         a = ref.decode(Decode(*args, return_logits=True))
         b = mk.decode(Decode(*args, return_logits=True))
-        assert mk.vm.sched.bucket == {3: 4, 2: 2, 1: 1}[len(live)]
+        if len(live) > mk_max:
+            assert b.extra.get("decoded_by") == "reference"
+        else:
+            assert "decoded_by" not in b.extra and mk.vm.sched.bucket == {3: 4, 2: 2, 1: 1}[len(live)]
         la, lb = torch.tensor(a.logits), torch.tensor(b.logits)
         assert float((lb - la).abs().max() / la.abs().max()) < 3e-2, f"step {s}"
         for j, i in enumerate(live):

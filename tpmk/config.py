@@ -249,12 +249,20 @@ class RuntimeConfig:
     seed: int = 0
     profile: str = ""             # megakernel: Chrome-trace JSON of the latest decode step
     reduce: str = "auto"          # instruction-stream engines: auto | oneshot | rsag (kernels/schedule.py)
+    # Instruction-stream engines: steps of more sequences decode through the reference engine
+    # (torch; CUDA graphs on a GPU) on the same KV cache. 0: every step in the stream. 32: on an
+    # H100 the megakernel step of the 70B tp=8 rank is 1.07-1.18x the CUDA-graph step at batch
+    # 32 and 0.57-0.62x at batch 128 (README, Results).
+    megakernel_max_batch: int = 32
 
     def __post_init__(self):
         if self.tp not in (1, 2, 4, 8):
             raise ValueError(f"tp={self.tp} is not supported; use 1, 2, 4 or 8")
         if self.reduce not in REDUCE_CHOICES:
             raise ValueError(f"reduce={self.reduce!r} is not supported; use one of {REDUCE_CHOICES}")
+        if self.megakernel_max_batch < 0:
+            raise ValueError(f"megakernel_max_batch={self.megakernel_max_batch} must be >= 0 "
+                             f"(0: every step in the instruction stream)")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.num_pages == 0:
@@ -270,6 +278,14 @@ class RuntimeConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+
+    @property
+    def stream_max_batch(self) -> int:
+        """The most sequences an instruction-stream engine runs in one step of the stream
+        (its largest bucket); larger steps go to the reference engine when
+        megakernel_max_batch cut it below max_batch."""
+        m = self.megakernel_max_batch
+        return m if 0 < m < self.max_batch else self.max_batch
 
 
 __all__ = ["ModelConfig", "RopeScaling", "RuntimeConfig", "MODEL_REGISTRY", "REDUCE_MODES", "REDUCE_CHOICES"]

@@ -8,10 +8,13 @@ batched prefill into the SAME paged KV caches (tpmk.engine.kv_cache.KVCache);
 position at a time (all sequences in lockstep), which needs nothing but the
 stream itself.
 
-Buckets: one schedule (and VM) per batch size of batch_buckets(max_batch), all on the same
-KV caches and weights; a step of n sequences runs the smallest bucket >= n, whose schedule
-was built for n (attention splits, tile shapes, reduce mode). A single sequence then runs
-bucket 1's schedule, not max_batch's.
+Buckets: one schedule (and VM) per batch size of batch_buckets(runtime.stream_max_batch),
+all on the same KV caches and weights; a step of n sequences runs the smallest bucket >= n,
+whose schedule was built for n (attention splits, tile shapes, reduce mode). A single
+sequence then runs bucket 1's schedule, not max_batch's. A decode step of more than
+runtime.megakernel_max_batch sequences (when that is below max_batch) runs the reference
+engine's decode on the same KV caches instead (CUDA graphs on a GPU): where cuBLAS beats the
+megakernel's tensor-core path.
 
 Sampling: greedy rows take the stream's argmax; sampled rows with
 1 <= top_k <= TOPK sample from the stream's top-TOPK candidates; only the other
@@ -19,7 +22,6 @@ sampled rows (and return_logits) copy the full logits to the host.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -89,7 +91,7 @@ class InterpreterEngine:
         self.caches = [KVCache.allocate(cfg, runtime, device, dtype) for _ in shards]
         self.k_caches = [c.k for c in self.caches]
         self.v_caches = [c.v for c in self.caches]
-        self.buckets = batch_buckets(runtime.max_batch)
+        self.buckets = batch_buckets(runtime.stream_max_batch)
         self.vms = {b: self.build_vm(b) for b in self.buckets}
         self.vm = self.vms[self.buckets[-1]]   # the latest step's (logits, top-k, profile)
 
@@ -108,16 +110,16 @@ class InterpreterEngine:
         return VM(self.cfg, schedule, self.shards, self.k_caches, self.v_caches)
 
     def _reference_engine(self):
-        """The reference engine, writing into this engine's KV caches (same layout)."""
+        """The reference engine on this engine's weights and KV caches (same layout): the
+        prefill, and decode steps of more than megakernel_max_batch sequences."""
         if self._reference is None:
             from tpmk.engine.reference import ReferenceEngine
-            rt = dataclasses.replace(self.runtime, cuda_graphs=False)
-            self._reference = ReferenceEngine(self.cfg, rt, self.shards, group=self.group)
-            self._reference.caches = self.caches
+            self._reference = ReferenceEngine(self.cfg, self.runtime, self.shards, group=self.group,
+                                              caches=self.caches)
         return self._reference
 
     def _chunks(self, n: int):
-        B = self.runtime.max_batch
+        B = self.buckets[-1]
         return [list(range(i, min(n, i + B))) for i in range(0, n, B)]
 
     def _step(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
@@ -157,6 +159,10 @@ class InterpreterEngine:
                           step_ms=(time.perf_counter() - t0) * 1e3)
 
     def decode(self, cmd: Decode) -> StepResult:
+        if len(cmd.tokens) > self.buckets[-1] and self.buckets[-1] < self.runtime.max_batch:
+            result = self._reference_engine().decode(cmd)   # above megakernel_max_batch
+            result.extra["decoded_by"] = "reference"
+            return result
         t0 = time.perf_counter()
         want_logits = cmd.return_logits or needs_logits(cmd.sampling)
         want_topk = any(uses_candidates(s) for s in cmd.sampling)

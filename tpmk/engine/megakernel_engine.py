@@ -57,7 +57,8 @@ class MegakernelEngine(InterpreterEngine):
     def decode(self, cmd: Decode) -> StepResult:
         result = super().decode(cmd)
         first = self.group is None or dist.get_rank(self.group) == 0
-        if self.runtime.profile and first:  # overwritten each step: the file holds the latest one
+        if self.runtime.profile and first and "decoded_by" not in result.extra:
+            # overwritten each step: the file holds the latest megakernel step
             Path(self.runtime.profile).write_text(json.dumps({"traceEvents": self.vm.profile_trace()}))
         return result
 

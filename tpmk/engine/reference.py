@@ -29,7 +29,10 @@ class ReferenceEngine:
     virtual_tp = False  # one process per rank by default; also accepts several shards
 
     def __init__(self, cfg: ModelConfig, runtime: RuntimeConfig, shards: list[RankWeights],
-                 group=None, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 group=None, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 caches: list[KVCache] | None = None):
+        """caches: the local ranks' KV caches to read and write (another engine's, which this
+        one then serves prefill or large decode steps for); None: allocate them."""
         if not shards:
             raise ValueError("shards is empty; pass the RankWeights of the ranks this process holds")
         ranks = [s.rank for s in shards]
@@ -49,7 +52,11 @@ class ReferenceEngine:
         self.device = shards[0].embed.device
         self.dtype = shards[0].embed.dtype
         self._all_reduce = all_reduce
-        self.caches = [KVCache.allocate(cfg, runtime, self.device, self.dtype) for _ in shards]
+        if caches is None:
+            caches = [KVCache.allocate(cfg, runtime, self.device, self.dtype) for _ in shards]
+        elif len(caches) != len(shards):
+            raise ValueError(f"{len(caches)} KV caches for {len(shards)} local shards; give one per shard")
+        self.caches = caches
         self.max_seq_len = runtime.max_seq_len
         self.cos, self.sin = M.rope_tables(cfg, self.max_seq_len, self.device, self.dtype)
         self.max_pages = math.ceil(self.max_seq_len / runtime.page_size)

@@ -122,9 +122,14 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "oneshot: every rank pushes to every rank (one hop), rsag: "
                         "reduce-scatter to each tile's owner + all-gather, auto: whichever an "
                         "NVLink cost model says is faster at each batch bucket (default %(default)s)")
+    p.add_argument("--megakernel-max-batch", type=int, default=d.megakernel_max_batch, metavar="B",
+                   help="interpreter / megakernel: steps of more than B sequences decode through "
+                        "the reference engine (torch + CUDA graphs) on the same KV cache, where "
+                        "cuBLAS beats the megakernel's tensor-core path; 0: every step in the "
+                        "megakernel (default %(default)s)")
     p.add_argument("--profile", default="", metavar="TRACE.json",
                    help="megakernel: write per-instruction start/end times of the latest decode "
-                        "step as a Chrome trace (open in chrome://tracing or Perfetto)")
+                        "step it ran as a Chrome trace (open in chrome://tracing or Perfetto)")
 
 
 def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
@@ -141,4 +146,5 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
         tp=args.tp, device=args.device, dtype=args.dtype, engine=args.engine,
         page_size=args.page_size, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
         num_pages=args.num_pages, cuda_graphs=args.cuda_graphs,
-        seed=getattr(args, "seed", None) or 0, profile=args.profile, reduce=args.reduce)
+        seed=getattr(args, "seed", None) or 0, profile=args.profile, reduce=args.reduce,
+        megakernel_max_batch=args.megakernel_max_batch)
