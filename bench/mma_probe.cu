@@ -28,7 +28,7 @@
 // The megakernel's own pieces: its loads, copies and mma.sync wrapper, so variant 0 checks and
 // times that code, not a copy of it. (Variants with wgmma, A from registers and B from shared
 // memory, ran 1.5x (batch 32) to 2x (batch 128) slower than variant 0, with one group in flight
-// or two: README, eleventh session; removed with the kernel's MK_WGMMA.)
+// or two: bench/NOTES.md, eleventh session; removed with the kernel's MK_WGMMA.)
 #include "../tpmk/kernels/csrc/mk_mma.cuh"
 #include <cstdio>
 #include <cstdlib>
