@@ -161,3 +161,25 @@ def test_cap_bounds_candidates_for_top_p_only():
     logits[0, 3999] = 20.0  # nearly all the mass: top_p keeps one token even past the cap
     toks = sample_vocab_parallel([logits], 0, 4000, [0], [SamplingParams(1.0, top_p=0.5)])
     assert toks == [3999]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.9)])
+def test_temperatures_below_greedy_below_take_the_argmax(top_k, top_p):
+    """1e-40 is 0 in float32 (logits / T would be inf or NaN): such temperatures are greedy,
+    the argmax of every row, whatever top_k / top_p ask for."""
+    from tpmk.engine.api import GREEDY_BELOW
+    torch.manual_seed(0)
+    logits = torch.randn(6, VOCAB)
+    for t in (1e-40, 1e-12, GREEDY_BELOW / 2):
+        params = [SamplingParams(temperature=t, top_k=top_k, top_p=top_p, seed=s) for s in range(6)]
+        assert params[0].greedy
+        assert sample(logits, list(range(6)), params).tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(temperature=float("nan")), "finite"), (dict(temperature=float("inf")), "finite"),
+    (dict(temperature=-0.5), "finite number >= 0"), (dict(top_k=2 ** 63), "top_k"),
+    (dict(top_k=-1), "top_k"), (dict(top_p=float("nan")), "top_p")])
+def test_sampling_params_refuse_what_would_break_a_step(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kw)

@@ -124,6 +124,18 @@ def test_scheduler_cancel_frees_pages():
     s.stop()
 
 
+def test_scheduler_prefill_error_answers_the_batch_in_prefill():
+    """The requests of a failing prefill are off the waiting list and not yet running: they
+    still get the error, and their pages come back."""
+    fatal = []
+    s = _scheduler(ScriptedClient(fail_at_step=1, step_s=0.05), max_batch=2, on_fatal=fatal.append)
+    runs = [_submit(s, 3, 30) for _ in range(3)]  # two in the prefill, one waiting
+    for _, events, done in runs:
+        assert done.wait(10)
+        assert events[-1].finish_reason == "error" and "rank 1" in events[-1].error
+    assert s.pages_in_use == 0 and s.stats.finished["error"] == 3 and fatal
+
+
 def test_scheduler_worker_error_fails_everything():
     fatal = []
     s = _scheduler(ScriptedClient(fail_at_step=3, step_s=0.01), max_batch=1,
@@ -351,6 +363,13 @@ def test_chat_uses_checkpoint_template(servers, tiny_dir):
     ("/v1/completions", {"prompt": [1, 600]}, "prompt", "600"),
     ("/v1/completions", {"prompt": []}, "prompt", "non-empty"),
     ("/v1/completions", {"prompt": [1] * 1000, "max_tokens": 100}, "prompt", "1024"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": NaN}', "top_p", "finite"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', "temperature", "finite"),
+    ("/v1/completions", {"prompt": "\ud800"}, "prompt", "could not be tokenized"),
+    ("/v1/completions", b"[" * 50000 + b"]" * 50000, None, "not valid JSON"),
+    ("/v1/completions", {"prompt": "x" * (256 * 1024 + 1)}, "prompt", "262145 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (256 * 1024 + 1)}]},
+     "messages", "characters"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "max_tokens": 2000}, "messages", "2000"),
@@ -362,6 +381,57 @@ def test_bad_requests_get_openai_400(servers, path, body, param, needle):
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert needle in err["message"], err["message"]
+
+
+def test_out_of_range_sampling_values_behave_as_their_limits(servers):
+    """top_k past the vocab (even past int64) samples the whole vocab; a temperature that is
+    0 in float32 is greedy. Neither may reach the engine as is: either failed a step, which
+    ends the server."""
+    port = servers[0].port
+    base = {"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+
+    def ids(**kw):
+        status, body = call(port, "POST", "/v1/completions", {**base, **kw})
+        assert status == 200, body
+        return body["choices"][0]["token_ids"]
+    assert ids(temperature=1.0, seed=3, top_k=10 ** 30) == ids(temperature=1.0, seed=3)
+    assert ids(temperature=1e-40, seed=3) == ids(temperature=0)
+    assert call(port, "GET", "/health")[0] == 200
+
+
+def test_an_unexpected_error_costs_its_request_a_500():
+    """A bug in a handler answers that request with OpenAI's error shape (500) instead of
+    dropping the connection, and the server goes on serving."""
+    import asyncio
+    from tpmk.serve.app import Server
+
+    class Broken(Server):
+        async def route(self, req, reader, writer):
+            if req.path == "/boom":
+                raise RuntimeError("boom")
+            writer.write(b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n")
+
+    async def get(port, path):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = await reader.read()
+        writer.close()
+        return data
+
+    async def main():
+        srv = Broken(scheduler=None, model=None)
+        server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await get(port, "/boom"), await get(port, "/ok")
+        finally:
+            server.close()
+            srv.parser.shutdown()
+    boom, ok = asyncio.run(main())
+    assert boom.startswith(b"HTTP/1.1 500"), boom[:200]
+    err = json.loads(boom.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["type"] == "server_error" and "RuntimeError: boom" in err["message"]
+    assert ok.startswith(b"HTTP/1.1 204")
 
 
 def test_disconnect_mid_stream_frees_pages(servers):

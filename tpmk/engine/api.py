@@ -13,6 +13,7 @@ gather only each rank's local top-k candidates, never full logits.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, Union
 
@@ -33,24 +34,30 @@ def bucket_for(buckets: list[int], n: int) -> int:
     return next(b for b in buckets if b >= n)
 
 
+# Temperatures below this sample greedily: logits / T overflows float32 near T = 1e-38 and
+# the argmax is all that is left well before (vLLM's _SAMPLING_EPS is the same).
+GREEDY_BELOW = 1e-5
+TOP_K_LIMIT = 2 ** 31 - 1   # int32: a top_k beyond any vocab is the whole vocab
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0   # 0: greedy
+    temperature: float = 0.0   # 0 (below GREEDY_BELOW): greedy
     top_k: int = 0             # 0: whole vocab
     top_p: float = 1.0
     seed: int = 0              # the driver fills a random one when the user gives none
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if not 0.0 <= self.temperature < math.inf:   # NaN fails too
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0")
+        if not 0 <= self.top_k <= TOP_K_LIMIT:
+            raise ValueError(f"top_k={self.top_k} must be in [0, {TOP_K_LIMIT}] (0: whole vocab)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass

@@ -22,6 +22,8 @@ import os
 import signal
 import sys
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tpmk.serve.http import (HttpError, HttpRequest, read_request, response, sse_event, sse_head,
@@ -39,6 +41,9 @@ class Server:
         self.scheduler, self.model, self.api_key = scheduler, model, api_key
         self.created = int(time.time())
         self.active: set[asyncio.Task] = set()
+        # Request parsing (JSON, tokenization) off the event loop, one at a time: a fast
+        # tokenizer's encode is not safe from two threads at once ("Already borrowed").
+        self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpmk-parse")
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -55,6 +60,11 @@ class Server:
             writer.write(response(e.status, e.body(), headers=_extra_headers(e)))
         except (ConnectionError, OSError):
             pass
+        except Exception as e:  # noqa: BLE001 - a bug must cost this request only, with an answer
+            traceback.print_exception(e)
+            err = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
+                           code="internal_error")
+            writer.write(response(500, err.body()))
         finally:
             self.active.discard(task)
             try:
@@ -107,7 +117,9 @@ class Server:
         return response(200, render_metrics(self.scheduler), "text/plain; version=0.0.4")
 
     async def generate(self, http_req: HttpRequest, reader, writer, chat: bool) -> None:
-        gen = parse_generation(http_req.body, chat, self.model)
+        # off the event loop: a long prompt's JSON and tokenization must not stall other clients
+        gen = await asyncio.get_running_loop().run_in_executor(
+            self.parser, parse_generation, http_req.body, chat, self.model)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event | None] = asyncio.Queue()
         rid = new_id(chat)

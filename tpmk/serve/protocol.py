@@ -9,6 +9,7 @@ in vLLM: top_k, ignore_eos, return_token_ids.
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 import uuid
@@ -18,6 +19,9 @@ from typing import Any, Callable
 from tpmk.engine.api import SamplingParams
 
 MAX_STOP_STRINGS = 4
+# A text prompt of more characters than this per token of --max-seq-len cannot fit (no Llama
+# tokenizer has tokens that long), so it is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 SEED_LIMIT = 2 ** 63
 _seed_rng = random.SystemRandom()
@@ -68,6 +72,8 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float,
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(f"{key}={v!r} must be a number", key, "invalid_type")
+    if isinstance(v, float) and not math.isfinite(v):   # json.loads takes NaN and Infinity
+        raise _bad(f"{key}={v!r} must be a finite number", key, "invalid_value")
     if v > hi or v < lo or (lo_open and v == lo):
         rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise _bad(f"{key}={v!r} is outside {rng}", key, "invalid_value")
@@ -114,7 +120,7 @@ def _prompt_ids(body: dict, model: ModelInfo) -> list[int]:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
     if isinstance(p, str):
-        ids = model.encode(p)
+        ids = _encode(model.encode, p, model.max_seq_len, "prompt")
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
                                            for t in p):
         ids = list(p)
@@ -153,6 +159,9 @@ def _chat_ids(body: dict, model: ModelInfo) -> list[int]:
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string", "messages", "invalid_type")
         norm.append({"role": m["role"], "content": content})
+    chars = sum(len(m["content"]) for m in norm)
+    if chars > MAX_CHARS_PER_TOKEN * model.max_seq_len:
+        raise _too_long(chars, model.max_seq_len, "messages")
     try:
         return model.render_chat(norm)
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault
@@ -160,10 +169,26 @@ def _chat_ids(body: dict, model: ModelInfo) -> list[int]:
                    "invalid_value") from None
 
 
+def _too_long(chars: int, max_seq_len: int, param: str) -> APIError:
+    return _bad(f"the {param} holds {chars} characters, more than {MAX_CHARS_PER_TOKEN} per token "
+                f"of this model's maximum context length of {max_seq_len} tokens (--max-seq-len); "
+                f"shorten it", param, "context_length_exceeded")
+
+
+def _encode(encode: Callable[[str], list[int]], text: str, max_seq_len: int, param: str) -> list[int]:
+    """Tokenize text, refusing what cannot fit before spending the time on it."""
+    if len(text) > MAX_CHARS_PER_TOKEN * max_seq_len:
+        raise _too_long(len(text), max_seq_len, param)
+    try:
+        return encode(text)
+    except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate ("\ud800") the tokenizer refuses
+        raise _bad(f"the {param} could not be tokenized: {e}", param, "invalid_value") from None
+
+
 def parse_generation(raw: bytes, chat: bool, model: ModelInfo) -> GenerationRequest:
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_json")
@@ -197,7 +222,7 @@ def parse_generation(raw: bytes, chat: bool, model: ModelInfo) -> GenerationRequ
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=0 if top_k in (None, -1) else top_k,
+        top_k=0 if top_k in (None, -1) or top_k >= model.vocab_size else top_k,   # >= vocab: all of it
         seed=seed if seed is not None else _seed_rng.randrange(2 ** 31))
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):

@@ -113,6 +113,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
+        self._admitted: list[Request] = []   # the batch in prefill (off both lists meanwhile)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="tpmk-engine", daemon=True)
 
@@ -221,9 +222,11 @@ class Scheduler:
 
     def _prefill(self, new: list[Request]) -> None:
         t0 = time.perf_counter()
+        self._admitted = new   # neither waiting nor running: _fail_all must still answer them
         res = self.client.execute(Prefill(tokens=[r.prompt_ids for r in new],
                                           pages=[r.pages for r in new],
                                           sampling=[r.sampling for r in new]))
+        self._admitted = []
         dt = time.perf_counter() - t0
         s = self.stats
         s.prefill_steps += 1
@@ -331,7 +334,8 @@ class Scheduler:
         else:
             msg = "the server is shutting down"
         with self._cv:
-            left = list(self._running) + list(self._waiting)
+            left = list(self._admitted) + list(self._running) + list(self._waiting)
+            self._admitted = []
             self._running.clear()
             self._waiting.clear()
         for req in left:
