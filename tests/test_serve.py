@@ -471,8 +471,16 @@ def test_api_key_and_queue_limit(servers):
 
 
 def test_sigterm_exits_cleanly(servers):
+    """A stream in flight ends with a 503-type error event (the engine is fine; the server
+    is going away), then [DONE]; the process exits 0."""
     srv = servers[1]
+    sock = open_stream(srv.port, {"prompt": [1, 2], "max_tokens": 1000, "ignore_eos": True},
+                       {"Authorization": "Bearer sekret"})
     srv.proc.send_signal(signal.SIGTERM)
+    buf = b""
+    while more := sock.recv(65536):
+        buf += more
+    assert b'"code": "engine_unavailable"' in buf and buf.rstrip().endswith(b"data: [DONE]"), buf[-500:]
     assert srv.proc.wait(15) == 0, srv.stderr()
 
 

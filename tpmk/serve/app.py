@@ -155,6 +155,13 @@ class Server:
         finally:
             watcher.cancel()
 
+    def failed(self, ev: Event) -> APIError:
+        """The error a request ended with: the engine failed (500), or the server is shutting
+        down with the engine healthy (503, as a request refused then gets)."""
+        if self.scheduler.error is None:
+            return APIError(503, ev.error, type="server_error", code="engine_unavailable")
+        return APIError(500, f"the engine failed: {ev.error}", type="server_error", code="engine_error")
+
     async def respond(self, gen: GenerationRequest, rid: str, events: asyncio.Queue,
                       writer) -> None:
         text, ids = [], []
@@ -163,8 +170,7 @@ class Server:
             if ev is None:  # the client went away
                 return
             if ev.error:
-                raise APIError(500, f"the engine failed: {ev.error}", type="server_error",
-                               code="engine_error")
+                raise self.failed(ev)
             text.append(ev.text)
             ids += ev.token_ids
             if ev.finish_reason:
@@ -184,8 +190,7 @@ class Server:
             if ev is None:
                 return
             if ev.error:
-                err = APIError(500, f"the engine failed: {ev.error}", type="server_error",
-                               code="engine_error")
+                err = self.failed(ev)
                 writer.write(sse_event(err.body()) + sse_event("[DONE]"))
                 return
             n_out += len(ev.token_ids)
