@@ -124,3 +124,28 @@ def test_make_checkpoint_subcommand(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown model name 'nope'"):
         args = parser.parse_args(["make-checkpoint", "--config", "nope", str(tmp_path / "n")])
         args.func(args)
+
+
+def test_overwrite_replaces_the_weights(tmp_path, capsys):
+    """--overwrite with fewer shards: the old shards and index go, so the new weights (not
+    the old index's) are what transformers and tpmk load."""
+    parser = argparse.ArgumentParser(prog="tpmk")
+    add_make_checkpoint_parser(parser.add_subparsers(dest="command"))
+    out, fresh = tmp_path / "ow", tmp_path / "fresh"
+    for argv in (["--seed", "0", str(out)], ["--seed", "1", "--num-shards", "1", "--overwrite", str(out)],
+                 ["--seed", "1", "--num-shards", "1", str(fresh)]):
+        args = parser.parse_args(["make-checkpoint", "--config", "tiny", *argv])
+        assert args.func(args) == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    from transformers import LlamaForCausalLM
+    a = LlamaForCausalLM.from_pretrained(out).state_dict()
+    b = LlamaForCausalLM.from_pretrained(fresh).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_too_small_a_vocab_writes_nothing(tmp_path):
+    cfg = ModelConfig.from_name("tiny").replace(vocab_size=37)
+    with pytest.raises(ValueError, match="vocab_size=37 is too small"):
+        make_checkpoint(cfg, tmp_path / "small")
+    assert not (tmp_path / "small").exists()

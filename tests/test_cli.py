@@ -79,9 +79,11 @@ def test_generate_sampling_flags_and_seed(capsys, tiny_dir):
     assert a != c  # 10 tokens at temperature 1.5: a clash of two seeds is vanishingly rare
 
 
-def test_generate_stops_at_eos_unless_ignored(capsys, tiny_dir, hf_tiny, tmp_path):
+@pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
+def test_generate_stops_at_eos_unless_ignored(capsys, tiny_dir, hf_tiny, tmp_path, where):
     """A copy of tiny whose eos_token_id is HF's 4th greedy token for the first id prompt:
-    generation must end right there (EOS kept), and run on with --ignore-eos."""
+    generation must end right there (EOS kept), and run on with --ignore-eos. Llama-3 chat
+    checkpoints list their end-of-turn id in generation_config.json only (as a list)."""
     import json
     import shutil
     expected = hf_tiny[1][1]
@@ -89,8 +91,9 @@ def test_generate_stops_at_eos_unless_ignored(capsys, tiny_dir, hf_tiny, tmp_pat
     stop_at = expected.index(eos) + 1
     ckpt = tmp_path / "tiny-eos"
     shutil.copytree(tiny_dir, ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    cfg = json.loads((ckpt / where).read_text())
+    (ckpt / where).write_text(json.dumps({**cfg, "eos_token_id": eos if where == "config.json"
+                                          else [cfg["eos_token_id"], eos]}))
     args = ["generate", "--model", str(ckpt), "--device", "cpu", *prompt_args(PROMPTS[:1]),
             "--max-new-tokens", str(NEW_TOKENS), "--json"]
     assert _run_main(capsys, args)[0]["token_ids"] == expected[:stop_at]
@@ -126,6 +129,8 @@ def test_help_lists_commands_and_flags(capsys):
     (["--reduce", "rsag"], "--reduce rsag needs --engine interpreter or megakernel"),
     (["--reduce", "ring"], "'ring'"),
     (["--megakernel-max-batch", "-1"], "megakernel_max_batch=-1"),
+    (["--max-batch", "0"], "max_batch=0 must be >= 1 (--max-batch)"),
+    (["--max-seq-len", "-5"], "max_seq_len=-5"),
     (["--engine", "megakernel"], "needs a CUDA GPU"),   # refused by the rank, no traceback
 ])
 def test_errors_name_the_bad_value(capsys, args, expected):
@@ -136,3 +141,13 @@ def test_errors_name_the_bad_value(capsys, args, expected):
     assert rc != 0
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
+
+
+def test_device_cuda_without_a_gpu_is_a_clear_error(capsys):
+    """Inline launcher (tp 1): the same one-line refusal as the local launcher's."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert main(["generate", "--device", "cuda", "--prompt-ids", "5"]) != 0
+    err = capsys.readouterr().err
+    assert "no CUDA device is visible; use --device cpu" in err and "Traceback" not in err

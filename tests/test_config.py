@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -93,3 +94,50 @@ def test_non_llama_config_raises():
         ModelConfig.from_hf_dict(d)
     with pytest.raises(ValueError, match="unknown model name 'llama-9'"):
         ModelConfig.from_name("llama-9")
+
+
+def test_missing_keys_take_transformers_defaults():
+    """A config.json without rms_norm_eps / max_position_embeddings means what LlamaConfig's
+    defaults say (a 1e-5 eps gave logits 3e-3 off HF's)."""
+    from transformers import LlamaConfig
+    d = {k: v for k, v in LLAMA31_8B_V4.items() if k not in ("rms_norm_eps", "max_position_embeddings")}
+    cfg, hf = ModelConfig.from_hf_dict(d), LlamaConfig()
+    assert cfg.rms_norm_eps == hf.rms_norm_eps and cfg.max_position_embeddings == hf.max_position_embeddings
+
+
+@pytest.mark.parametrize("key,value", [("hidden_act", "gelu"), ("attention_bias", True), ("mlp_bias", True)])
+def test_what_tpmk_does_not_compute_is_refused(key, value):
+    with pytest.raises(ValueError, match=f"{key}={value!r}"):
+        ModelConfig.from_hf_dict({**LLAMA31_8B_V4, key: value})
+    ModelConfig.from_hf_dict({**LLAMA31_8B_V4, key: {"hidden_act": "silu"}.get(key, False)})
+
+
+def test_partial_llama3_rope_scaling_names_the_missing_keys():
+    with pytest.raises(ValueError, match="lacks low_freq_factor, high_freq_factor, "
+                                         "original_max_position_embeddings"):
+        ModelConfig.from_hf_dict({**LLAMA31_8B_V4, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_a_config_without_dtype_takes_the_weights_dtype(tmp_path):
+    """As transformers loads it: the tensors' dtype, not a bfloat16 guess the loader then
+    refuses."""
+    import json
+    from tpmk.checkpoint import make_checkpoint
+    from tpmk.partition.loader import load_shard
+    make_checkpoint(ModelConfig.from_name("tiny-gqa"), tmp_path)   # float32 weights
+    d = json.loads((tmp_path / "config.json").read_text())
+    d.pop("dtype", None), d.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.dtype == "float32"
+    assert load_shard(tmp_path, cfg, tp=2, rank=1).embed.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(max_batch=0), "max_batch=0 must be >= 1 (--max-batch)"),
+                                       (dict(max_batch=-2), "max_batch=-2"),
+                                       (dict(max_seq_len=0), "--max-seq-len"),
+                                       (dict(num_pages=-1), "--num-pages")])
+def test_runtime_sizes_are_validated(kw, needle):
+    from tpmk.config import RuntimeConfig
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        RuntimeConfig(**kw)

@@ -37,6 +37,17 @@ def test_allocator_errors_name_the_numbers():
         PageAllocator(0, 16)
 
 
+def test_a_page_named_twice_in_one_free_is_refused_and_nothing_is_freed():
+    """Freed twice, a page would go to two sequences (they would share its KV)."""
+    a = PageAllocator(num_pages=4, page_size=16)
+    p = a.allocate(16)
+    with pytest.raises(ValueError, match="twice"):
+        a.free(p + p)
+    assert a.num_free == 3
+    a.free(p)
+    assert a.num_free == 4 and sorted(a.allocate(64)) == [0, 1, 2, 3]
+
+
 def test_check_pages():
     check_pages([[5, 2]], [8], page_size=4, num_pages=6)
     with pytest.raises(ValueError, match="sequence 0 has 9 tokens but 2 pages"):

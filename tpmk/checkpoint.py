@@ -62,11 +62,16 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0,
 
     bos/eos become 1/2, the ids of the written tokenizer (registry shapes name Llama-3's)."""
     from safetensors.torch import save_file
-    from tpmk.tokenizer import save_tokenizer
+    from tpmk.tokenizer import check_vocab_size, save_tokenizer
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards} must be >= 1")
+    check_vocab_size(cfg.vocab_size)   # before any file is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # An earlier checkpoint's weights would be loaded beside (or, through its index, instead
+    # of) the new ones: they go first.
+    for old in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
     cfg = cfg.replace(bos_token_id=1, eos_token_id=2)
     dtype = getattr(torch, cfg.dtype)
     shapes = tensor_shapes(cfg)

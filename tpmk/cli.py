@@ -64,7 +64,8 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
 def run_generate(args: argparse.Namespace) -> int:
     from tpmk.config import ModelConfig
     from tpmk.engine.api import SamplingParams
-    from tpmk.engine.generate import GenerateStats, check_lengths, generate, load_tokenizer
+    from tpmk.engine.generate import (GenerateStats, check_lengths, generate, load_tokenizer,
+                                      stop_token_ids)
     from tpmk.launcher.launch import launch, resolve_model, runtime_from_args
 
     runtime = runtime_from_args(args)
@@ -82,7 +83,7 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                seed=args.seed if args.seed is not None else rng.randrange(2**31))
                 for _ in prompts]
-    eos = () if args.ignore_eos else cfg.eos_token_ids
+    eos = () if args.ignore_eos else stop_token_ids(cfg, model_dir)
 
     t0 = time.perf_counter()
     client = launch(model_dir, runtime, args.launcher)
@@ -155,3 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+if __name__ == "__main__":   # python -m tpmk.cli, as python -m tpmk
+    sys.exit(main())

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# transformers' LlamaConfig defaults, for config.json files that leave the keys out
+HF_DEFAULT_RMS_NORM_EPS = 1e-6
+HF_DEFAULT_MAX_POSITIONS = 2048
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -108,6 +111,11 @@ class ModelConfig:
         scaling_src = legacy_scaling or rope
         rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default"))
         if rope_type == "llama3":
+            keys = [f.name for f in dataclasses.fields(RopeScaling)]
+            missing = [k for k in keys if scaling_src.get(k) is None]
+            if missing:
+                raise ValueError(f"config.json's llama3 rope scaling lacks {', '.join(missing)} "
+                                 f"(it needs {', '.join(keys)}); fix rope_scaling / rope_parameters")
             scaling = RopeScaling(
                 factor=float(scaling_src["factor"]),
                 low_freq_factor=float(scaling_src["low_freq_factor"]),
@@ -117,6 +125,11 @@ class ModelConfig:
             scaling = None
         else:
             raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default' and 'llama3')")
+        # What tpmk does not compute: refused, not silently run as Llama's default.
+        for key, ok in (("hidden_act", ("silu",)), ("attention_bias", (False,)), ("mlp_bias", (False,))):
+            if d.get(key) is not None and d[key] not in ok:
+                raise ValueError(f"config.json has {key}={d[key]!r}; tpmk implements only "
+                                 f"{key}={ok[0]!r} (Llama's)")
         dtype = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
         return cls(
             name=name,
@@ -127,10 +140,10 @@ class ModelConfig:
             num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
             head_dim=d.get("head_dim") or 0,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rms_norm_eps=d.get("rms_norm_eps") or HF_DEFAULT_RMS_NORM_EPS,
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 8192),
+            max_position_embeddings=d.get("max_position_embeddings") or HF_DEFAULT_MAX_POSITIONS,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             dtype=str(dtype).replace("torch.", ""),
             bos_token_id=d.get("bos_token_id"),
@@ -150,7 +163,10 @@ class ModelConfig:
         cfg_file = p / "config.json" if p.is_dir() else p
         if not cfg_file.exists():
             raise FileNotFoundError(f"no config.json in {p}")
-        return cls.from_hf_dict(json.loads(cfg_file.read_text()), name=p.name)
+        d = json.loads(cfg_file.read_text())
+        if not (d.get("dtype") or d.get("torch_dtype")) and p.is_dir():
+            d["dtype"] = _tensor_dtype(p)   # as transformers does: the weights' own dtype
+        return cls.from_hf_dict(d, name=p.name)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """transformers-5 style config.json contents for LlamaForCausalLM."""
@@ -229,6 +245,22 @@ MODEL_REGISTRY: dict[str, ModelConfig] = {
 }
 
 
+def _tensor_dtype(model_dir: Path) -> str:
+    """The dtype of a checkpoint's first tensor, from its first safetensors file's header
+    (bfloat16 when there is none to read: the loader then says what is missing)."""
+    import struct
+    from tpmk.partition.loader import ST_DTYPES, checkpoint_files
+    try:
+        first = checkpoint_files(model_dir)[0]
+    except FileNotFoundError:
+        return "bfloat16"
+    with open(first, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    tags = [v["dtype"] for k, v in header.items() if k != "__metadata__"]
+    return ST_DTYPES.get(tags[0], "bfloat16") if tags else "bfloat16"
+
+
 REDUCE_MODES = ("oneshot", "rsag")   # how o_proj / down partial sums meet (kernels/schedule.py)
 REDUCE_CHOICES = ("auto", *REDUCE_MODES)   # auto: per batch bucket (schedule.choose_reduce)
 
@@ -260,6 +292,13 @@ class RuntimeConfig:
             raise ValueError(f"tp={self.tp} is not supported; use 1, 2, 4 or 8")
         if self.reduce not in REDUCE_CHOICES:
             raise ValueError(f"reduce={self.reduce!r} is not supported; use one of {REDUCE_CHOICES}")
+        for name in ("max_batch", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 "
+                                 f"(--{name.replace('_', '-')})")
+        if self.num_pages < 0:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 0 (--num-pages; 0: enough "
+                             f"for max_batch sequences of max_seq_len)")
         if self.megakernel_max_batch < 0:
             raise ValueError(f"megakernel_max_batch={self.megakernel_max_batch} must be >= 0 "
                              f"(0: every step in the instruction stream)")

@@ -35,13 +35,18 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.14159. Questions, answers, and s
 """
 
 
-def build_tokenizer(vocab_size: int):
-    """A `tokenizers.Tokenizer` with at most `vocab_size` tokens; bos is prepended on encode."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def check_vocab_size(vocab_size: int) -> None:
+    """The byte-level tokenizer needs the special tokens and all 256 bytes."""
     n_base = len(SPECIAL_TOKENS) + 256
     if vocab_size < n_base:
         raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level tokenizer; "
                          f"need at least {n_base} ({len(SPECIAL_TOKENS)} special + 256 bytes)")
+
+
+def build_tokenizer(vocab_size: int):
+    """A `tokenizers.Tokenizer` with at most `vocab_size` tokens; bos is prepended on encode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

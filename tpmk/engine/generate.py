@@ -9,10 +9,12 @@ continuous batching on the same two commands.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from tpmk.config import RuntimeConfig
+from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine.api import Decode, EngineClient, Prefill, SamplingParams
 
 
@@ -35,6 +37,17 @@ def load_tokenizer(model_dir: str):
     """The checkpoint's Hugging Face tokenizer (tokenizer.json + tokenizer_config.json)."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def stop_token_ids(cfg: ModelConfig, model_dir: str | Path) -> tuple[int, ...]:
+    """config.json's eos ids plus generation_config.json's: Llama-3 chat models list their
+    end-of-turn token (<|eot_id|>) only there, and transformers' generate stops on both."""
+    ids = set(cfg.eos_token_ids)
+    gc = Path(model_dir) / "generation_config.json"
+    if gc.exists():
+        eos = json.loads(gc.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return tuple(sorted(ids))
 
 
 def check_lengths(prompts: list[list[int]], max_new_tokens: int, runtime: RuntimeConfig) -> None:

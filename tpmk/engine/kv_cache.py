@@ -72,6 +72,8 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[int]) -> None:
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"pages {pages} name a page twice; each page is freed once")
         for p in pages:
             if p not in self._used:
                 raise ValueError(f"page {p} is not allocated (double free, or not from this "

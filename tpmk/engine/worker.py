@@ -103,6 +103,8 @@ class Worker:
 
         device = rt.resolved_device()
         if device == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device=cuda but no CUDA device is visible; use --device cpu")
             torch.cuda.set_device(spec.device_index)
         self.group = None
         if spec.world_size > 1:

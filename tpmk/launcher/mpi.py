@@ -27,7 +27,12 @@ CONTROL_TIMEOUT = datetime.timedelta(days=30)
 
 
 def _abort(comm, e: BaseException) -> None:
-    print(f"tpmk: {e}\ntpmk: aborting the MPI job", file=sys.stderr, flush=True)
+    """Bad input (a wrong flag or checkpoint) prints its message only, as the CLI does."""
+    if isinstance(e, WorkerError) and e.input_error and not os.environ.get("TPMK_TRACEBACK"):
+        text = f"rank {e.rank}: {e.message}\n(TPMK_TRACEBACK=1 shows the rank's traceback)"
+    else:
+        text = str(e)
+    print(f"tpmk: error: {text}\ntpmk: aborting the MPI job", file=sys.stderr, flush=True)
     comm.Abort(1)
 
 

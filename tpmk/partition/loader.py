@@ -19,7 +19,7 @@ from tpmk.partition.plan import ShardPlan, build_shard_plan
 from tpmk.partition.weights import RankWeights
 
 # safetensors dtype tags -> torch dtype names as config.json spells them
-_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
               "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
               "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
@@ -77,7 +77,7 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig | None = None, *, tp: int
                 sl = h.get_slice(name)
                 where[name] = (h, f)
                 shapes[name] = tuple(sl.get_shape())
-                dtypes[name] = _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+                dtypes[name] = ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())
         plan.check_tensors(shapes)
         for t in plan.tensors:
             if dtypes[t.name] != cfg.dtype:

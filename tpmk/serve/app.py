@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import json
 import os
 import signal
 import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from tpmk.serve.http import (HttpError, HttpRequest, read_request, response, sse_event, sse_head,
                              wait_disconnect, MAX_HEADER_BYTES)
@@ -299,19 +297,9 @@ def _model_info(name: str, model_dir: str, cfg, max_seq_len: int, tokenizer) -> 
                      encode=encode, render_chat=render_chat)
 
 
-def _eos_ids(cfg, model_dir: str) -> tuple[int, ...]:
-    """config.json's eos ids plus generation_config.json's (chat models add end-of-turn)."""
-    ids = set(cfg.eos_token_ids)
-    gc = Path(model_dir) / "generation_config.json"
-    if gc.exists():
-        eos = json.loads(gc.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
-    return tuple(sorted(ids))
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from tpmk.config import ModelConfig
-    from tpmk.engine.generate import load_tokenizer
+    from tpmk.engine.generate import load_tokenizer, stop_token_ids
     from tpmk.launcher.launch import launch, resolve_model, runtime_from_args
 
     if args.max_queue < 0:
@@ -332,7 +320,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         scheduler = Scheduler(client, runtime,
                               lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                              _eos_ids(cfg, model_dir), max_queue=args.max_queue)
+                              stop_token_ids(cfg, model_dir), max_queue=args.max_queue)
         return asyncio.run(_serve(Server(scheduler, model, args.api_key), args, runtime))
     finally:
         # A step still running after the shutdown grace owns the client: leave it (the
