@@ -1,6 +1,6 @@
 """Decode step time: megakernel vs torch + CUDA graph on one rank of a TP shard (same card, same run).
 
-Per-rank proxy (DESIGN.md): one rank of Llama-3-70B tp=8 with random bf16
+Per-rank proxy: one rank of Llama-3-70B tp=8 with random bf16
 weights; the megakernel's peer slots are looped back to local memory, the
 baseline does no communication at all. Prints one table and writes
 bench/results/decode_<device>.json.

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine.api import Command, Decode, Prefill, Shutdown, StepResult, WorkerError
 
-# Never NVLink multicast (DESIGN.md): set before NCCL or symmetric memory initialise.
+# Never NVLink multicast (cluster/README.md): set before NCCL or symmetric memory initialise.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                     "NVSHMEM_DISABLE_NVLS": "1"}
 

