@@ -57,6 +57,11 @@ def load(folders: list[Path]) -> list[dict]:
     devices = {r["device"] for r in runs}
     if len(devices) > 1:
         raise SystemExit(f"runs from different cards {sorted(devices)}: compare runs of one card only")
+    # page_size: runs before 2026-12-08 did not record it and ran decode.py's default, 16
+    shapes = {(r.get("model"), r.get("tp"), r.get("layers"), r.get("page_size", 16)) for r in runs}
+    if len(shapes) > 1:
+        raise SystemExit(f"runs of different shapes (model, tp, layers, page size) {sorted(shapes, key=str)}: "
+                         f"compare runs of one shape only")
     return runs
 
 

@@ -200,7 +200,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     name = dev.name.replace(" ", "_")
     res = dict(device=dev.name, copy_bw_Bps=bw, model=cfg.name, tp=args.tp, defines=args.define, splits=args.splits,
-               bucket=args.bucket,
+               bucket=args.bucket, page_size=args.page_size,
                qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits, mma_min_batch=isa.MMA_MIN_BATCH,
                layers=cfg.num_hidden_layers, weights_bytes=wbytes, note="one rank, peer slots looped back; baseline: torch + CUDA graph, "
                "contiguous KV, no communication", rows=rows)

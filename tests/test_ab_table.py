@@ -58,6 +58,19 @@ def test_runs_of_two_cards_are_refused(tmp_path):
         load([a, b])
 
 
+def test_runs_of_two_shapes_are_refused(tmp_path):
+    """Two models (or tp, layers, page sizes) are not two variants of one step: not averaged."""
+    a = run(tmp_path / "a", {(1, 1024): 9.0}, model="llama-3-70b", tp=8, layers=80)
+    b = run(tmp_path / "b", {(1, 1024): 30.0}, model="llama-3.1-8b", tp=1, layers=32)
+    with pytest.raises(SystemExit, match="different shapes"):
+        load([a, b])
+    c = run(tmp_path / "c", {(1, 1024): 9.2}, model="llama-3-70b", tp=8, layers=80, page_size=16)
+    assert len(load([a, c])) == 2   # an older run without page_size ran the default 16
+    d = run(tmp_path / "d", {(1, 1024): 9.2}, model="llama-3-70b", tp=8, layers=80, page_size=32)
+    with pytest.raises(SystemExit, match="different shapes"):
+        load([a, d])
+
+
 def test_empty_passes_left_out_and_no_runs_refused(tmp_path):
     a = run(tmp_path / "a", {(1, 1024): 9.0})
     (tmp_path / "empty").mkdir()

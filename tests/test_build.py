@@ -55,6 +55,20 @@ def test_cache_key_tracks_included_headers(tmp_path):
     assert build._cache_key(cu.read_text(), [], "sm_90a", [tmp_path]) != key
 
 
+def test_cache_key_tracks_headers_under_the_callers_include_folders(tmp_path):
+    """A header reached through an -I option: changing it compiles anew (it returned the old
+    cubin, whose constant was the old one)."""
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    src = '#include "val.cuh"\nextern "C" __global__ void k(int* p) { p[0] = VAL; }\n'
+    (inc / "val.cuh").write_text("#define VAL 1111\n")
+    a = build.compile_to_cubin(src, "k.cu", options=(f"-I{inc}",))
+    (inc / "val.cuh").write_text("#define VAL 2222\n")
+    b = build.compile_to_cubin(src, "k.cu", options=(f"-I{inc}",))
+    assert b != a and b == build.compile_to_cubin(src, "k.cu", options=(f"-I{inc}",), use_cache=False)
+    assert build._include_roots(["-I", str(inc), "-DX", f"-I{tmp_path}"]) == [inc, tmp_path]
+
+
 def test_source_variants(tmp_path):
     f = tmp_path / "x.cu"
     f.write_text("// nvrtc-variants: <default> ; -DA -DB ; -DC\n")

@@ -120,6 +120,32 @@ def test_steps_above_megakernel_max_batch_decode_through_the_reference_engine(mo
         assert got[b] == hf_greedy(model, PROMPTS[b], 5 if b < 2 else 3)[0], f"seq {b}"
 
 
+@pytest.mark.parametrize("reduce", ["oneshot", "rsag"])
+def test_hidden_size_not_a_multiple_of_8_runs_on_the_interpreter(reduce):
+    """hidden 100 (the megakernel's 16-byte loads need a multiple of 8; the stream does not):
+    HF's greedy tokens and logits."""
+    cfg = ModelConfig.from_name("tiny-gqa").replace(hidden_size=100, num_attention_heads=4,
+                                                    num_key_value_heads=2, head_dim=32)
+    model, shards = shards_for(cfg, 2, seed=7)
+    rt = RuntimeConfig(tp=2, device="cpu", dtype="float32", max_batch=2, max_seq_len=32,
+                       page_size=PAGE, num_pages=24, reduce=reduce)
+    eng = InterpreterEngine(cfg, rt, shards, prefill="stream")
+    pages = [list(range(8 * b, 8 * b + 8)) for b in range(2)]
+    greedy = [SamplingParams()] * 2
+    res = eng.prefill(Prefill(PROMPTS[:2], pages, greedy, return_logits=True))
+    got, logits = [[t] for t in res.tokens], [[torch.tensor(r)] for r in res.logits]
+    for s in range(2):
+        res = eng.decode(Decode([g[-1] for g in got], [len(p) + s for p in PROMPTS[:2]], pages, greedy,
+                                return_logits=True))
+        for b in range(2):
+            got[b].append(res.tokens[b])
+            logits[b].append(torch.tensor(res.logits[b]))
+    for b, p in enumerate(PROMPTS[:2]):
+        want, want_logits = hf_greedy(model, p, 3)
+        assert got[b] == want
+        torch.testing.assert_close(torch.stack(logits[b]), want_logits[:3], atol=2e-4, rtol=1e-4)
+
+
 def test_megakernel_max_batch_is_validated():
     with pytest.raises(ValueError, match="megakernel_max_batch=-1 must be >= 0"):
         RuntimeConfig(megakernel_max_batch=-1)

@@ -500,3 +500,14 @@ def test_megakernel_engine_profile_trace(tmp_path):
     assert {e["pid"] for e in events} == {0, 1}
     assert all(e["ph"] == "X" and e["dur"] > 0 for e in events)
     assert {e["name"].split()[0] for e in events} >= {"qkv", "attention", "down"}
+
+
+def test_a_bucket_over_shared_memory_names_the_flags_that_avoid_it():
+    """Llama-3.1-8B at tp 1: buckets up to 3 fit, bucket 4's CUDA-core rows do not (14336-wide
+    rows); the refusal names the bucket and what the user can change."""
+    from tpmk.kernels.megakernel import check_shapes
+    cfg = ModelConfig.from_name("llama-3.1-8b")
+    check_shapes(cfg, build_schedule(cfg, 1, 3, 132), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"at batch bucket 4 .*--megakernel-max-batch or --max-batch "
+                                         r"below 4\) or a larger --tp"):
+        check_shapes(cfg, build_schedule(cfg, 1, 4, 132), torch.bfloat16)

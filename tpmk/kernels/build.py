@@ -84,6 +84,10 @@ def _read_source(source_or_path, name: str | None) -> tuple[str, str, list[Path]
 
 
 def _cache_key(src: str, opts: list[str], arch: str, roots: list[Path]) -> str:
+    """Everything the cubin depends on: NVRTC, arch, options, the source, every header under
+    `roots` (csrc/ and the folders of `-I` options given by the caller), and a fingerprint of
+    the CUDA header folders (include_dirs(): thousands of files, so their listing with sizes
+    and times rather than their bytes; a wheel upgrade rewrites them)."""
     h = hashlib.sha256()
     h.update(repr((nvrtc_version(), arch, opts)).encode())
     h.update(src.encode())
@@ -91,7 +95,24 @@ def _cache_key(src: str, opts: list[str], arch: str, roots: list[Path]) -> str:
         for f in sorted(p for p in root.rglob("*") if p.suffix in HEADER_SUFFIXES):
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
+    hashed = {Path(r).resolve() for r in roots}
+    for d in include_dirs():
+        if Path(d).resolve() in hashed:
+            continue
+        for f in sorted(Path(d).iterdir()):
+            st = f.stat()
+            h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:24]
+
+
+def _include_roots(options) -> list[Path]:
+    """The folders of the caller's -I options (-Idir or -I dir): their headers are hashed."""
+    opts, out = list(options), []
+    for i, o in enumerate(opts):
+        d = o[2:] if o.startswith("-I") and len(o) > 2 else opts[i + 1] if o == "-I" and i + 1 < len(opts) else None
+        if d and Path(d).is_dir():
+            out.append(Path(d))
+    return out
 
 
 def source_variants(path) -> list[tuple[str, ...]]:
@@ -111,7 +132,7 @@ def compile_to_cubin(source_or_path, name: str | None = None, options=(), arch: 
     """CUDA C++ (text, or a path to a .cu file) -> cubin bytes for `arch`."""
     src, prog_name, roots = _read_source(source_or_path, name)
     opts = _nvrtc_options(arch, options)
-    key = _cache_key(src, opts, arch, roots)
+    key = _cache_key(src, opts, arch, roots + _include_roots(options))
     cache = cache_dir() / f"{Path(prog_name).stem}_{arch}_{key}.cubin"
     if use_cache and cache.exists():
         return cache.read_bytes()

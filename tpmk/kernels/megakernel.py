@@ -148,8 +148,10 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple
     kmax = max(H, hq * D, inter)
     smem = smem_bytes(cfg, sched, kmax, dtype)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"megakernel needs {smem} B of shared memory (kmax={kmax}), "
-                         f"over {SMEM_LIMIT}; lower BATCH_CHUNK or tile sizes")
+        raise ValueError(f"megakernel needs {smem} B of shared memory at batch bucket {sched.bucket} "
+                         f"(tp={sched.tp}, longest row kmax={kmax}), over {SMEM_LIMIT}; run smaller "
+                         f"buckets (--megakernel-max-batch or --max-batch below {sched.bucket}) or a "
+                         f"larger --tp")
     return kmax, smem
 
 

@@ -172,7 +172,7 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
         raise ValueError(f"qkv_pairs={qkv_pairs} must be in 0..head_dim/2={D // 2} (0: one tile per SM)")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
-    if gu_splits < 1 or H % (8 * gu_splits):
+    if gu_splits < 1 or (gu_splits > 1 and H % (8 * gu_splits)):   # 1: whole rows, any H
         raise ValueError(f"gu_splits={gu_splits}: hidden_size={H} must split into gu_splits slices of "
                          f"a multiple of 8 columns; use a divisor of {H // 8}")
     inter, vp = cfg.intermediate_size // tp, padded_vocab(cfg, tp) // tp
