@@ -40,12 +40,14 @@ def start_server(serve_args: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, line.split("listening on ")[1].split()[0]
 
 
-def one_request(url, model: str, prompt: list[int], max_tokens: int, seed: int,
+def one_request(url, model: str | None, prompt: list[int], max_tokens: int, seed: int,
                 api_key: str | None) -> dict:
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 1.0, "seed": seed, "return_token_ids": True}
+    if model is not None:   # None: whatever the server serves
+        body["model"] = model
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -96,7 +98,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="arguments after -- go to `tpmk serve`")
     p.add_argument("--url", help="an already running server (default: start one)")
-    p.add_argument("--model", default="tiny", help="model id to request (default %(default)s)")
+    p.add_argument("--model", default=None,
+                   help="model id to request (default: none, the server's own); the server this "
+                        "script starts serves tiny unless the arguments after -- name a --model")
     p.add_argument("--api-key", default=os.environ.get("TPMK_API_KEY"))
     p.add_argument("--concurrency", type=int, default=16, metavar="N")
     p.add_argument("--requests", type=int, default=0, metavar="M", help="default: 4 x N")
@@ -112,13 +116,15 @@ def main() -> int:
     if not any(a.startswith("--max-queue") for a in serve_args):
         serve_args += ["--max-queue", str(total)]
     if not any(a.startswith("--model") for a in serve_args):
-        serve_args += ["--model", args.model]
+        serve_args += ["--model", args.model or "tiny"]
     proc, url = (None, args.url) if args.url else start_server(serve_args)
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(6, args.vocab) for _ in range(args.prompt_len - 1)]
                for _ in range(total)]
     try:
-        one_request(url, args.model, prompts[0], 2, 0, args.api_key)  # warm-up
+        warm = one_request(url, args.model, prompts[0], 2, 0, args.api_key)
+        if "error" in warm:
+            raise SystemExit(f"the warm-up request failed: {warm['error']}")
         m0 = metrics(url)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
