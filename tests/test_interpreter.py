@@ -146,6 +146,47 @@ def test_hidden_size_not_a_multiple_of_8_runs_on_the_interpreter(reduce):
         torch.testing.assert_close(torch.stack(logits[b]), want_logits[:3], atol=2e-4, rtol=1e-4)
 
 
+def test_buckets_stop_at_the_first_that_does_not_fit_shared_memory(capsys):
+    """An engine whose buckets above 2 need more shared memory than an SM has (as the
+    megakernel's do for Llama-3.1-8B at tp 1 from bucket 4) keeps buckets 1 and 2, says so,
+    and decodes larger steps through the reference engine: HF's greedy tokens. A model whose
+    bucket 1 does not fit is refused."""
+    from tpmk.kernels.megakernel import SharedMemoryError
+
+    class Narrow(InterpreterEngine):
+        limit = 2
+
+        def build_vm(self, bucket):
+            if bucket > self.limit:
+                raise SharedMemoryError(f"megakernel needs 300000 B of shared memory at batch bucket {bucket}")
+            return super().build_vm(bucket)
+    cfg = ModelConfig.from_name("tiny-gqa")
+    model, shards = shards_for(cfg, 2, seed=8)
+    rt = RuntimeConfig(tp=2, device="cpu", dtype="float32", max_batch=8, max_seq_len=32,
+                       page_size=PAGE, num_pages=24)
+    eng = Narrow(cfg, rt, shards)
+    assert eng.buckets == [1, 2]
+    assert "bucket 4; steps of more than 2 sequences decode through the reference engine" in \
+        capsys.readouterr().err
+    pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+    greedy = [SamplingParams()] * 3
+    got = [[t] for t in eng.prefill(Prefill(PROMPTS, pages, greedy)).tokens]
+    res = eng.decode(Decode([g[-1] for g in got], [len(p) for p in PROMPTS], pages, greedy))
+    assert res.extra.get("decoded_by") == "reference"
+    for b in range(3):
+        got[b].append(res.tokens[b])
+    res = eng.decode(Decode([g[-1] for g in got[:2]], [len(p) + 1 for p in PROMPTS[:2]], pages[:2],
+                            greedy[:2]))
+    assert "decoded_by" not in res.extra and eng.vm.sched.bucket == 2
+    for b in range(2):
+        got[b].append(res.tokens[b])
+    for b in range(3):
+        assert got[b] == hf_greedy(model, PROMPTS[b], 3 if b < 2 else 2)[0], f"seq {b}"
+    Narrow.limit = 0
+    with pytest.raises(SharedMemoryError, match="bucket 1"):
+        Narrow(cfg, rt, shards)
+
+
 def test_megakernel_max_batch_is_validated():
     with pytest.raises(ValueError, match="megakernel_max_batch=-1 must be >= 0"):
         RuntimeConfig(megakernel_max_batch=-1)

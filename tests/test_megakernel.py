@@ -436,21 +436,26 @@ def test_profile_trace_events_without_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp,mk_max", [(1, 32), (4, 32), (4, 2)])
-def test_megakernel_engine_vs_reference_engine(tp, mk_max):
+@pytest.mark.parametrize("tp,mk_max,inter", [(1, 32, 0), (4, 32, 0), (4, 2, 0), (1, 32, 16384)])
+def test_megakernel_engine_vs_reference_engine(tp, mk_max, inter):
     """Engine level: reference prefill into the shared paged cache, megakernel decode,
     against the reference engine (CUDA graphs) on the same bf16 shards. mk_max 2: the steps of
     three sequences decode through the engine's own reference engine (CUDA graphs, the same
-    KV cache), the later ones of one or two through the megakernel."""
+    KV cache), the later ones of one or two through the megakernel. inter 16384: bucket 4's
+    schedule needs more shared memory than an SM has, so the engine keeps buckets 1 and 2 and
+    the three-sequence steps take the reference engine too."""
     from tpmk.config import RuntimeConfig
     from tpmk.engine.api import Decode, Prefill, SamplingParams
     from tpmk.engine.megakernel_engine import MegakernelEngine
     from tpmk.engine.reference import ReferenceEngine
     cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
+    if inter:
+        cfg = cfg.replace(intermediate_size=inter)
     _, shards = shards_for(cfg, tp, seed=2, dtype=torch.bfloat16)
     rt = RuntimeConfig(tp=tp, device="cuda", dtype="bfloat16", max_batch=4, max_seq_len=128)
     ref = ReferenceEngine(cfg, rt, [s.to("cuda") for s in shards])
     mk = MegakernelEngine(cfg, dataclasses.replace(rt, megakernel_max_batch=mk_max), shards)
+    assert mk.buckets == ([1, 2] if inter or mk_max == 2 else [1, 2, 4])
     pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
     greedy = [SamplingParams()] * 3
     a = ref.prefill(Prefill(PROMPTS, pages, greedy))
@@ -462,7 +467,7 @@ def test_megakernel_engine_vs_reference_engine(tp, mk_max):
         args = ([toks[i] for i in live], [pos[i] for i in live], [pages[i] for i in live], greedy[:len(live)])
         a = ref.decode(Decode(*args, return_logits=True))
         b = mk.decode(Decode(*args, return_logits=True))
-        if len(live) > mk_max:
+        if len(live) > mk.buckets[-1]:
             assert b.extra.get("decoded_by") == "reference"
         else:
             assert "decoded_by" not in b.extra and mk.vm.sched.bucket == {3: 4, 2: 2, 1: 1}[len(live)]

@@ -12,9 +12,10 @@ Buckets: one schedule (and VM) per batch size of batch_buckets(runtime.stream_ma
 all on the same KV caches and weights; a step of n sequences runs the smallest bucket >= n,
 whose schedule was built for n (attention splits, tile shapes, reduce mode). A single
 sequence then runs bucket 1's schedule, not max_batch's. A decode step of more than
-runtime.megakernel_max_batch sequences (when that is below max_batch) runs the reference
-engine's decode on the same KV caches instead (CUDA graphs on a GPU): where cuBLAS beats the
-megakernel's tensor-core path.
+runtime.megakernel_max_batch sequences (when that is below max_batch), or than the largest
+bucket whose schedule fits an SM's shared memory (build_vms), runs the reference engine's
+decode on the same KV caches instead (CUDA graphs on a GPU): where cuBLAS beats the
+megakernel's tensor-core path, or where the megakernel cannot run.
 
 Sampling: greedy rows take the stream's argmax; sampled rows with
 1 <= top_k <= TOPK sample from the stream's top-TOPK candidates; only the other
@@ -22,6 +23,7 @@ sampled rows (and return_logits) copy the full logits to the host.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -30,6 +32,7 @@ from tpmk.config import ModelConfig, RuntimeConfig
 from tpmk.engine.kv_cache import KVCache
 from tpmk.engine.api import Decode, Prefill, SamplingParams, StepResult, batch_buckets, bucket_for
 from tpmk.kernels.interpreter import VM
+from tpmk.kernels.megakernel import SharedMemoryError
 from tpmk.kernels.isa import TOPK
 from tpmk.kernels.schedule import build_schedule
 from tpmk.partition.weights import RankWeights
@@ -91,8 +94,8 @@ class InterpreterEngine:
         self.caches = [KVCache.allocate(cfg, runtime, device, dtype) for _ in shards]
         self.k_caches = [c.k for c in self.caches]
         self.v_caches = [c.v for c in self.caches]
-        self.buckets = batch_buckets(runtime.stream_max_batch)
-        self.vms = {b: self.build_vm(b) for b in self.buckets}
+        self.vms = self.build_vms(batch_buckets(runtime.stream_max_batch))
+        self.buckets = list(self.vms)
         self.vm = self.vms[self.buckets[-1]]   # the latest step's (logits, top-k, profile)
 
     def check_ranks(self, runtime: RuntimeConfig, shards: list[RankWeights], group) -> None:
@@ -103,6 +106,23 @@ class InterpreterEngine:
 
     def device(self, runtime: RuntimeConfig) -> str:
         return "cpu"
+
+    def build_vms(self, buckets: list[int]) -> dict:
+        """A VM per bucket, smallest first. A bucket whose schedule needs more shared memory
+        than an SM has (the megakernel at large buckets of wide models: Llama-3.1-8B at tp 1
+        from bucket 4) ends the list there, with a note: larger steps then decode through
+        the reference engine, as above megakernel_max_batch. Bucket 1 must fit."""
+        vms = {}
+        for b in buckets:
+            try:
+                vms[b] = self.build_vm(b)
+            except SharedMemoryError as e:
+                if not vms:
+                    raise
+                print(f"tpmk: {self.name}: {e}; steps of more than {max(vms)} sequences decode "
+                      f"through the reference engine", file=sys.stderr, flush=True)
+                break
+        return vms
 
     def build_vm(self, bucket: int):
         schedule = build_schedule(self.cfg, self.runtime.tp, bucket, INTERPRETER_SMS,

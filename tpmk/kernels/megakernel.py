@@ -30,6 +30,11 @@ SMEM_LIMIT = 227 * 1024 - 1024
 PEER_ONLY = ("attn_slots", "mlp_slots", "cand", "xn", "xn_ssq")   # KernelArgs has only their peer_ tables
 
 
+class SharedMemoryError(ValueError):
+    """A schedule's bucket needs more shared memory than an SM has (check_shapes): smaller
+    buckets of the same model may still fit."""
+
+
 def _check(res, what: str):
     err = res[0]
     if int(err) != 0:
@@ -148,7 +153,7 @@ def check_shapes(cfg: ModelConfig, sched: Schedule, dtype: torch.dtype) -> tuple
     kmax = max(H, hq * D, inter)
     smem = smem_bytes(cfg, sched, kmax, dtype)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"megakernel needs {smem} B of shared memory at batch bucket {sched.bucket} "
+        raise SharedMemoryError(f"megakernel needs {smem} B of shared memory at batch bucket {sched.bucket} "
                          f"(tp={sched.tp}, longest row kmax={kmax}), over {SMEM_LIMIT}; run smaller "
                          f"buckets (--megakernel-max-batch or --max-batch below {sched.bucket}) or a "
                          f"larger --tp")
