@@ -370,7 +370,7 @@ def test_queue_order_has_no_deadlock_with_one_sm():
 
 
 def test_reference_engine_agrees():
-    ref_mod = pytest.importorskip("tpmk.engine.reference")
+    from tpmk.engine import reference as ref_mod   # a plain import: a broken module must fail here
     cfg = ModelConfig.from_name("tiny-gqa")
     tp = 2
     _, shards = shards_for(cfg, tp, seed=7)
@@ -398,7 +398,7 @@ def test_reference_engine_agrees():
 @pytest.mark.parametrize("name,tp", [("tiny", 4), ("tiny-gqa", 8)])
 def test_partition_plan_shards_match_test_sharder(name, tp):
     """The interpreter tests' sharder and tpmk.partition.plan must lay weights out the same."""
-    plan = pytest.importorskip("tpmk.partition.plan")
+    from tpmk.partition import plan
     cfg = ModelConfig.from_name(name)
     model, mine = shards_for(cfg, tp)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
@@ -559,6 +559,7 @@ def test_engine_samples_top_k_from_candidates_without_logits_copy():
     params = _candidate_params(3)[::2] + [SamplingParams()]      # top_k 8, top_k 3 + top_p, greedy
     toks = eng.prefill(Prefill(PROMPTS, pages, params)).tokens
     assert not copies
+    seqs = [list(p) + [t] for p, t in zip(PROMPTS, toks)]
     mixed = params[:2] + [SamplingParams(temperature=1.0, seed=3)]   # top_k unset: full logits
     with torch.no_grad():
         hidden = [model.model(torch.tensor([p])).last_hidden_state[0, -1] for p in PROMPTS]
@@ -568,9 +569,15 @@ def test_engine_samples_top_k_from_candidates_without_logits_copy():
         res = eng.decode(Decode(toks, pos, pages, use, return_logits=s >= 4))
         assert bool(copies) == (s >= 4 or use is mixed), f"step {s}: logits copied {len(copies)}"
         copies.clear()
-        if s >= 4:
+        if s >= 4:   # the logits handed back are HF's (the candidate rows' -inf stays inside)
+            with torch.no_grad():
+                want = torch.stack([model.model(torch.tensor([q])).last_hidden_state[0, -1]
+                                    for q in seqs]) @ w.T
+            torch.testing.assert_close(torch.tensor(res.logits), want, atol=2e-4, rtol=1e-4)
             assert res.tokens == sample(torch.tensor(res.logits), pos, use).tolist()
         toks = res.tokens
+        for q, t in zip(seqs, toks):
+            q.append(t)
     # HF oracle: decode each prompt's last token again at its own position (same KV entry)
     res = eng.decode(Decode([p[-1] for p in PROMPTS], [len(p) - 1 for p in PROMPTS], pages, params))
     with torch.no_grad():

@@ -54,6 +54,8 @@ def test_check_pages():
         check_pages([[5, 2]], [9], page_size=4, num_pages=6)
     with pytest.raises(ValueError, match="page 6, outside 0..5"):
         check_pages([[6]], [1], page_size=4, num_pages=6)
+    with pytest.raises(ValueError, match="page -1, outside 0..5"):   # -1 would index the scratch page
+        check_pages([[-1]], [1], page_size=4, num_pages=6)
 
 
 def test_host_page_table_follows_changes_and_pads_with_scratch():

@@ -153,13 +153,29 @@ def test_noise_depends_on_seed_and_position_only():
     assert torch.equal(g[0, 32:], gumbel(k[:1], ids[32:])[0])  # a slice = the same values
     assert not torch.equal(g[0], g[1]) and not torch.equal(g[0], g[2])
     assert torch.isfinite(g).all()
+    # seeds go up to 2**63 (the server's limit): the high 32 bits count too
+    hi = torch.tensor([row_keys(5 + 2 ** 32, 9), row_keys(5 + 2 ** 40, 9)])
+    assert not torch.equal(gumbel(hi, ids)[0], g[0]) and not torch.equal(gumbel(hi, ids)[1], g[0])
 
 
-def test_cap_bounds_candidates_for_top_p_only():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cap_bounds_candidates_for_top_p_only(tp):
+    """top_p without top_k gathers CANDIDATE_CAP candidates per rank, the lowest ids among
+    ties: over a flat row of 2 x 2000 ids whose top_p 0.9 needs 3600 tokens, every draw is one
+    of each rank's first CANDIDATE_CAP ids, and they spread over them; a dominant token past
+    the cap still wins."""
     assert CANDIDATE_CAP >= 256
-    logits = torch.zeros(1, 4000)
+    V = 4000
+    rows = torch.zeros(200, V)
+    ids = sample_vocab_parallel(list(rows.chunk(tp, dim=1)), 0, V, list(range(200)),
+                                [SamplingParams(1.0, top_p=0.9, seed=1)] * 200)
+    per = V // tp
+    allowed = {r * per + i for r in range(tp) for i in range(CANDIDATE_CAP)}
+    assert set(ids) <= allowed and len(set(ids)) > 150
+    assert max(i % per for i in ids) > CANDIDATE_CAP // 2
+    logits = torch.zeros(1, V)
     logits[0, 3999] = 20.0  # nearly all the mass: top_p keeps one token even past the cap
-    toks = sample_vocab_parallel([logits], 0, 4000, [0], [SamplingParams(1.0, top_p=0.5)])
+    toks = sample_vocab_parallel([logits], 0, V, [0], [SamplingParams(1.0, top_p=0.5)])
     assert toks == [3999]
 
 
@@ -179,7 +195,8 @@ def test_temperatures_below_greedy_below_take_the_argmax(top_k, top_p):
 @pytest.mark.parametrize("kw,needle", [
     (dict(temperature=float("nan")), "finite"), (dict(temperature=float("inf")), "finite"),
     (dict(temperature=-0.5), "finite number >= 0"), (dict(top_k=2 ** 63), "top_k"),
-    (dict(top_k=-1), "top_k"), (dict(top_p=float("nan")), "top_p")])
+    (dict(top_k=-1), "top_k"), (dict(top_p=float("nan")), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_p=0.0), "top_p")])
 def test_sampling_params_refuse_what_would_break_a_step(kw, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingParams(**kw)
