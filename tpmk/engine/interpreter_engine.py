@@ -180,7 +180,7 @@ class InterpreterEngine:
 
     def decode(self, cmd: Decode) -> StepResult:
         if len(cmd.tokens) > self.buckets[-1] and self.buckets[-1] < self.runtime.max_batch:
-            result = self._reference_engine().decode(cmd)   # above megakernel_max_batch
+            result = self._reference_engine().decode(cmd)   # above the stream's largest bucket
             result.extra["decoded_by"] = "reference"
             return result
         t0 = time.perf_counter()

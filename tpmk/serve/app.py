@@ -115,10 +115,9 @@ class Server:
         return response(200, render_metrics(self.scheduler), "text/plain; version=0.0.4")
 
     async def generate(self, http_req: HttpRequest, reader, writer, chat: bool) -> None:
-        # off the event loop: a long prompt's JSON and tokenization must not stall other clients
-        gen = await asyncio.get_running_loop().run_in_executor(
-            self.parser, parse_generation, http_req.body, chat, self.model)
         loop = asyncio.get_running_loop()
+        # off the event loop: a long prompt's JSON and tokenization must not stall other clients
+        gen = await loop.run_in_executor(self.parser, parse_generation, http_req.body, chat, self.model)
         events: asyncio.Queue[Event | None] = asyncio.Queue()
         rid = new_id(chat)
         def sink(ev: Event) -> None:  # on the engine thread
