@@ -187,6 +187,50 @@ def test_buckets_stop_at_the_first_that_does_not_fit_shared_memory(capsys):
         Narrow(cfg, rt, shards)
 
 
+def test_vm_refuses_a_bad_header_or_shards():
+    """Each check of VM.set_header / VM(): a position on the first token past its pages, a page
+    id == num_pages, one sequence past the bucket, one shard short."""
+    vm = _vm("tiny", 2, 2, 4)
+    cfg = ModelConfig.from_name("tiny")
+    _, shards = shards_for(cfg, 2)
+    with pytest.raises(ValueError, match="position 12 is past its 3 pages"):
+        vm.set_header([1], [3 * PAGE], [[0, 1, 2]])
+    with pytest.raises(ValueError, match="page ids .* outside 0..23"):
+        vm.set_header([1], [0], [[24]])
+    with pytest.raises(ValueError, match="batch=3 must be in 1..bucket=2"):
+        vm.set_header([1, 1, 1], [0] * 3, [[0]] * 3)
+    kc, vc = empty_caches(cfg, 2, num_pages=24, page_size=PAGE)
+    with pytest.raises(ValueError, match="1 shards for a tp=2 schedule"):
+        VM(cfg, build_schedule(cfg, 2, 2, 4), shards[:1], kc[:1], vc[:1])
+
+
+def test_each_rank_s_first_embedding_row_and_the_padded_vocab():
+    """Token 0 and token vp (the first row of rank 1's vocab slice: tiny-gqa's 500 ids pad to
+    2 x 256 at tp 2) against HF; at a bf16-free float32 step no padded id (>= 500) is ever
+    among the top-k candidates, even where every real logit is negative."""
+    from tpmk.partition.weights import padded_vocab
+    cfg, tp = ModelConfig.from_name("tiny-gqa"), 2
+    vp = padded_vocab(cfg, tp) // tp
+    model, shards = shards_for(cfg, tp, seed=11)
+    prompts = [[0, vp, 7], [vp, 0, vp + 1]]
+    with torch.no_grad():
+        hidden = model.model(torch.tensor(prompts)).last_hidden_state[:, -1]   # final-normed
+    # every lm_head row a positive multiple of -(h0 / |h0| + h1 / |h1|): all real logits < 0,
+    # so a padded id left at logit 0 would top the candidates
+    v = -(hidden / hidden.norm(dim=-1, keepdim=True)).sum(0)
+    w = v * (1 + torch.rand(cfg.vocab_size, 1, generator=torch.Generator().manual_seed(0)))
+    kc, vc = empty_caches(cfg, tp, num_pages=24, page_size=PAGE)
+    vm = VM(cfg, build_schedule(cfg, tp, 2, 8), with_lm_head(shards, cfg, w), kc, vc)
+    for pos in range(3):
+        vm.step([p[pos] for p in prompts], [pos, pos], [[0, 1, 2], [3, 4, 5]])
+    want = hidden @ w.T
+    assert want.max() < 0
+    torch.testing.assert_close(vm.logits(), want, atol=2e-4, rtol=1e-4)
+    _, ids = vm.topk()
+    assert (ids < cfg.vocab_size).all()
+    assert ids.tolist() == stable_topk(want, TOPK)[1].tolist()
+
+
 def test_megakernel_max_batch_is_validated():
     with pytest.raises(ValueError, match="megakernel_max_batch=-1 must be >= 0"):
         RuntimeConfig(megakernel_max_batch=-1)

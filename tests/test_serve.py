@@ -124,6 +124,43 @@ def test_scheduler_cancel_frees_pages():
     s.stop()
 
 
+def test_scheduler_batch_and_page_limits_hold_exactly():
+    """max_batch 2 with pages for all: never more than 2 in a step. 3 pages, requests of 2
+    pages each: the second waits (nothing overcommits and fails). A request larger than the
+    whole cache is refused at submit, not queued forever."""
+    client = ScriptedClient(step_s=0.002)
+    s = _scheduler(client, max_batch=2)
+    runs = [_submit(s, 3, 4) for _ in range(3)]
+    for _, events, done in runs:
+        assert done.wait(10) and events[-1].finish_reason == "length"
+    assert max(client.batches) == 2
+    s.stop()
+    client = ScriptedClient(step_s=0.002)
+    s = _scheduler(client, num_pages=3)   # a request of 4 + 4 tokens needs 2 pages of 4
+    runs = [_submit(s, 3, 4) for _ in range(2)]
+    for _, events, done in runs:
+        assert done.wait(10) and "".join(e.text for e in events) == "0123"
+    assert max(client.batches) == 1 and s.healthy and s.pages_in_use == 0
+    with pytest.raises(ValueError, match="needs 5 KV pages"):
+        _submit(s, 3, 13)   # 4 + 13 tokens: 5 pages of 4 > 3
+    s.stop()
+
+
+def test_scheduler_ignore_eos_and_cancel_while_waiting():
+    """ignore_eos runs past the scripted EOS to the length; a request cancelled while it
+    waits never reaches the engine and counts once."""
+    client = ScriptedClient(step_s=0.01)
+    s = _scheduler(client, max_batch=1)
+    _, events, done = _submit(s, 2, 6, ignore_eos=True)   # "hi\x01never": EOS third
+    req, _, waiting_done = _submit(s, 3, 4)
+    s.cancel(req)
+    assert done.wait(10) and events[-1].finish_reason == "length"
+    assert "".join(e.text for e in events) == "hinev"   # the EOS id (1) decodes to nothing here
+    assert not waiting_done.is_set() and s.stats.finished["cancelled"] == 1
+    assert client.batches.count(1) == len(client.batches) and len(client.batches) == 6
+    s.stop()
+
+
 def test_scheduler_prefill_error_answers_the_batch_in_prefill():
     """The requests of a failing prefill are off the waiting list and not yet running: they
     still get the error, and their pages come back."""
@@ -363,6 +400,13 @@ def test_chat_uses_checkpoint_template(servers, tiny_dir):
     ("/v1/completions", {"prompt": [1, 600]}, "prompt", "600"),
     ("/v1/completions", {"prompt": []}, "prompt", "non-empty"),
     ("/v1/completions", {"prompt": [1] * 1000, "max_tokens": 100}, "prompt", "1024"),
+    ("/v1/completions", {"prompt": [1, 512]}, "prompt", "512"),   # tiny's vocab: 0..511
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 63}, "seed", "seed"),
+    ("/v1/completions", {"prompt": "hi", "n": True}, "n", "n=1"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": "x"}, "stream_options", "object"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop", "non-empty"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -5}, "top_k", "top_k"),
     ("/v1/completions", b'{"prompt": "hi", "top_p": NaN}', "top_p", "finite"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', "temperature", "finite"),
     ("/v1/completions", {"prompt": "\ud800"}, "prompt", "could not be tokenized"),
@@ -397,6 +441,29 @@ def test_out_of_range_sampling_values_behave_as_their_limits(servers):
     assert ids(temperature=1.0, seed=3, top_k=10 ** 30) == ids(temperature=1.0, seed=3)
     assert ids(temperature=1e-40, seed=3) == ids(temperature=0)
     assert call(port, "GET", "/health")[0] == 200
+
+
+def test_context_limits_and_default_max_tokens(servers):
+    """max_seq_len 1024: a prompt plus max_tokens of exactly 1024 fits; without max_tokens a
+    completion gets min(16, the room left); chat honours max_completion_tokens; text parts
+    of a message are joined as they are."""
+    port = servers[0].port
+
+    def completion(path, body):
+        status, resp = call(port, "POST", path, {"ignore_eos": True, "return_token_ids": True, **body})
+        assert status == 200, resp
+        return resp
+    r = completion("/v1/completions", {"prompt": [1] * 1020, "max_tokens": 4})
+    assert len(r["choices"][0]["token_ids"]) == 4
+    r = completion("/v1/completions", {"prompt": [1] * 1021})
+    assert len(r["choices"][0]["token_ids"]) == 3 and r["choices"][0]["finish_reason"] == "length"
+    r = completion("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                            "max_completion_tokens": 2})
+    assert r["usage"]["completion_tokens"] == 2
+    parts = completion("/v1/chat/completions", {"max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}]})
+    whole = completion("/v1/chat/completions", {"max_tokens": 1, "messages": [{"role": "user", "content": "abcd"}]})
+    assert parts["prompt_token_ids"] == whole["prompt_token_ids"]
 
 
 def test_an_unexpected_error_costs_its_request_a_500():
