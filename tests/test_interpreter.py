@@ -269,6 +269,33 @@ def test_tensor_core_batch_takes_bf16_inputs_within_bf16_tolerance_of_hf():
     _bf16_batch_against_hf(seed=3, B=MMA_MIN_BATCH + 1, steps=5)
 
 
+@pytest.mark.parametrize("batch", [MMA_MIN_BATCH, MMA_MIN_BATCH + 3])
+def test_tensor_core_matvecs_round_their_inputs_to_bf16_from_mma_min_batch(batch):
+    """From batch MMA_MIN_BATCH on (bf16 weights) the matvecs take bf16 inputs, the fused
+    RMSNorm's 1 / rms applied after the dot products, as the megakernel's tensor cores: a
+    float64 computation with that rounding, tighter than the rounding's own effect."""
+    cfg = ModelConfig.from_name("tiny-gqa").replace(dtype="bfloat16")
+    _, shards = shards_for(cfg, 2, seed=12, dtype=torch.bfloat16)
+    kc, vc = empty_caches(cfg, 2, num_pages=8, page_size=PAGE, dtype=torch.bfloat16)
+    vm = VM(cfg, build_schedule(cfg, 2, 8, 8), shards, kc, vc)
+    vm.batch = batch
+    assert vm.tensor_cores
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, cfg.hidden_size, generator=g)
+    nw = (torch.rand(cfg.hidden_size, generator=g) + 0.5).to(torch.bfloat16).float()   # a bf16 weight
+    w = (torch.randn(40, cfg.hidden_size, generator=g) * 0.05).to(torch.bfloat16)
+    r = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    xr = (x * nw).to(torch.bfloat16).double()
+    for got, want, plain in ((vm.norm_matvec(x, nw, w), xr @ w.double().T * r,
+                              (x.double() * nw.double()) @ w.double().T * r),
+                             (vm.matvec(x, w), x.to(torch.bfloat16).double() @ w.double().T,
+                              x.double() @ w.double().T)):
+        err, effect = (got.double() - want).abs().max(), (plain - want).abs().max()
+        assert err < effect / 20, (float(err), float(effect))
+    vm.batch = MMA_MIN_BATCH - 1
+    assert not vm.tensor_cores
+
+
 @pytest.mark.parametrize("qkv_pairs", [1, 3, 8])
 def test_any_qkv_tile_height_matches_hf(qkv_pairs):
     """build_schedule(qkv_pairs=...): qkv tiles of 1, 3 (the head's last one shorter) and all 8

@@ -53,3 +53,22 @@ def test_megakernel_compiles_for_sm90a_with_nvrtc(dtype, tmp_path):
     """CPU-only: NVRTC compiles the whole kernel (catches CUDA syntax errors in CI)."""
     cubin = compile_or_skip(dtype, tmp_path)
     assert len(cubin) > 10_000
+
+
+def test_vocab_must_hold_topk_real_tokens():
+    from tpmk.kernels.isa import TOPK, check_vocab
+    check_vocab(TOPK)
+    with pytest.raises(ValueError, match=f"vocab_size={TOPK - 1} must be in"):
+        check_vocab(TOPK - 1)
+    with pytest.raises(ValueError, match="2\\*\\*24"):
+        check_vocab(2 ** 24)
+
+
+@pytest.mark.parametrize("bucket,pages", [(1, 1), (3, 7), (128, 64)])
+def test_header_words_hold_tokens_positions_and_page_table(bucket, pages):
+    """The header: its fixed fields, then tokens [bucket], positions [bucket], page table
+    [bucket, pages]: the size is where the page table starts plus its words."""
+    from tpmk.kernels.isa import header_offsets, header_words
+    tokens, positions, table = header_offsets(bucket)
+    assert positions - tokens == bucket and table - positions == bucket
+    assert header_words(bucket, pages) == table + bucket * pages

@@ -239,3 +239,11 @@ def test_bad_config_and_files(one_file):
     (one_file / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
         load_shard(one_file, tp=1, rank=0)
+
+
+def test_rotary_inv_freq_buffers_are_ignored(one_file):
+    """Older checkpoints carry each layer's rotary_emb.inv_freq: loaded past, not refused."""
+    before = load_shard(one_file, tp=2, rank=1, progress=False)
+    rewrite(one_file, lambda sd: sd.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    after = load_shard(one_file, tp=2, rank=1, progress=False)
+    assert torch.equal(before.qkv, after.qkv) and torch.equal(before.embed, after.embed)

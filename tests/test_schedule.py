@@ -168,3 +168,9 @@ def test_default_attention_splits_fill_the_sms_up_to_the_cap(name, tp, bucket, s
     assert s.num_splits == want
     tiles = {(i.tile, i.arg4) for i in s.instructions if i.name == "attention"}
     assert len(tiles) // cfg.num_hidden_layers <= sms
+
+
+def test_intermediate_size_must_divide_by_tp():
+    cfg = ModelConfig.from_name("tiny").replace(intermediate_size=386)
+    with pytest.raises(ValueError, match="tp=4 does not divide intermediate_size=386"):
+        build_schedule(cfg, 4, 1, 8)

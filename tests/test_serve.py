@@ -466,6 +466,55 @@ def test_context_limits_and_default_max_tokens(servers):
     assert parts["prompt_token_ids"] == whole["prompt_token_ids"]
 
 
+class _Writes:
+    def __init__(self):
+        self.data = b""
+
+    def write(self, b: bytes) -> None:
+        self.data += b
+
+
+def _parse(raw: bytes):
+    """read_request on `raw` (then EOF): (HttpRequest or HttpError, bytes written back)."""
+    import asyncio
+    from tpmk.serve.http import HttpError, read_request
+
+    async def go():
+        reader = asyncio.StreamReader()
+        reader.feed_data(raw)
+        reader.feed_eof()
+        w = _Writes()
+        try:
+            return await read_request(reader, w), w.data
+        except HttpError as e:
+            return e, w.data
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("raw,status", [
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 413),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n", 413),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 411),
+    (b"GET / FOO\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 10\r\n\r\n{}", 400),
+])
+def test_http_requests_malformed_get_their_status(raw, status):
+    err, _ = _parse(raw)
+    assert getattr(err, "status", None) == status, err
+
+
+def test_http_request_parsing():
+    """The query string leaves the path; header names are case-blind; Expect: 100-continue
+    gets its interim response before the body is read."""
+    req, out = _parse(b"GET /health?probe=1 HTTP/1.1\r\nX-Thing: A\r\n\r\n")
+    assert (req.method, req.path, req.headers["x-thing"], req.body) == ("GET", "/health", "A", b"")
+    req, out = _parse(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 2\r\n"
+                      b"EXPECT: 100-continue\r\n\r\n{}")
+    assert req.body == b"{}" and out == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert _parse(b"") == (None, b"")
+
+
 def test_an_unexpected_error_costs_its_request_a_500():
     """A bug in a handler answers that request with OpenAI's error shape (500) instead of
     dropping the connection, and the server goes on serving."""
