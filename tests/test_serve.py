@@ -161,6 +161,37 @@ def test_scheduler_ignore_eos_and_cancel_while_waiting():
     s.stop()
 
 
+def test_tokens_per_second_over_the_window():
+    """60 tokens within the last 10 s (and 1000 older ones) are 6 tokens/s."""
+    from tpmk.serve.scheduler import TOKENS_PER_S_WINDOW_S, Stats
+    st = Stats()
+    st.recent_tokens.extend([(100.0, 1000), (195.0, 20), (199.0, 40)])
+    assert TOKENS_PER_S_WINDOW_S == 10.0 and st.tokens_per_s(now=200.0) == 6.0
+
+
+def test_scheduler_drops_the_token_of_a_request_cancelled_during_its_step():
+    """A cancel that lands while the engine runs the step: the step's token is not handed
+    out, the request ends cancelled, its pages come back."""
+    box, ready = {}, threading.Event()
+
+    class CancelInStep(ScriptedClient):
+        def execute(self, cmd):
+            if isinstance(cmd, Decode) and ready.wait(5) and "req" in box:   # the first decode
+                box["sched"].cancel(box.pop("req"))
+            return super().execute(cmd)
+    s = _scheduler(CancelInStep(step_s=0.005))
+    box["sched"] = s
+    req, events, done = _submit(s, 3, 30)
+    box["req"] = req
+    ready.set()
+    deadline = time.monotonic() + 10
+    while not (events and s.pages_in_use == 0) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert s.pages_in_use == 0 and s.stats.finished["cancelled"] == 1 and not done.is_set()
+    assert "".join(e.text for e in events) == "0"   # the prefill's token only
+    s.stop()
+
+
 def test_scheduler_prefill_error_answers_the_batch_in_prefill():
     """The requests of a failing prefill are off the waiting list and not yet running: they
     still get the error, and their pages come back."""
