@@ -2,10 +2,10 @@
 
 Reads every decode_*.json under the given folders (bench/tune_sweep.sh's sweepN, or the
 passes of one device call, each to its own --out), groups the runs by what they built and
-scheduled (the tensor-core threshold, the macros, --splits, --qkv-pairs, --gu-splits,
---split-min), and prints one line per (batch, ctx): each variant's mean ms over its passes,
-with the range in brackets, and its change against the first variant met (the baseline: pass
-it first). Runs on different cards are refused: their times do not compare.
+scheduled (the tensor-core threshold, the macros, --splits, --qkv-pairs, --gu-splits), and
+prints one line per (batch, ctx): each variant's mean ms over its passes, with the range in
+brackets, and its change against the first variant met (the baseline: pass it first). Runs on
+different cards are refused: their times do not compare.
 
   python bench/ab_table.py OUT/m5_1 OUT/m2_1 OUT/m5_2 OUT/m2_2
   python bench/ab_table.py --tag "@a1b2c3d" OUT/sweep1   # name what a run cannot record itself
@@ -35,8 +35,6 @@ def label(run: dict) -> str:
         parts.append(f"--gu-splits {run['gu_splits']}")
     if run.get("bucket"):
         parts.append(f"--bucket {run['bucket']}")
-    if "split_min" in run:   # runs since the split_min knob
-        parts.append(f"--split-min {run['split_min']}")
     return " ".join(parts) or "default"
 
 

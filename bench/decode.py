@@ -136,9 +136,6 @@ def main():
     ap.add_argument("--bucket", type=int, default=0,
                     help="run every batch on this bucket's schedule (>= each batch; what an engine "
                          "without batch buckets did); 0: each batch its own bucket")
-    ap.add_argument("--split-min", type=int, default=isa.SPLIT_MIN_TOKENS,
-                    help="fewest tokens of a non-empty attention split (build_schedule split_min; "
-                         "another value than isa.SPLIT_MIN_TOKENS compiles its own kernel)")
     ap.add_argument("--qkv-pairs", type=int, default=0,
                     help="rotary pairs per qkv tile (build_schedule qkv_pairs); 0: one tile per SM")
     ap.add_argument("--gu-splits", type=int, default=1,
@@ -169,8 +166,7 @@ def main():
                              dtype=torch.bfloat16)
             vc = torch.randn_like(kc)
             sched = build_schedule(cfg, args.tp, args.bucket or B, dev.multi_processor_count, num_splits=args.splits,
-                                   qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits,
-                                   split_min=args.split_min)
+                                   qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits)
             row = dict(batch=B, ctx=ctx, bytes=wbytes + kv_bytes)
             t0 = time.time()
             profile = bool(args.profile) and not rows
@@ -204,7 +200,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     name = dev.name.replace(" ", "_")
     res = dict(device=dev.name, copy_bw_Bps=bw, model=cfg.name, tp=args.tp, defines=args.define, splits=args.splits,
-               bucket=args.bucket, page_size=args.page_size, split_min=args.split_min,
+               bucket=args.bucket, page_size=args.page_size,
                qkv_pairs=args.qkv_pairs, gu_splits=args.gu_splits, mma_min_batch=isa.MMA_MIN_BATCH,
                layers=cfg.num_hidden_layers, weights_bytes=wbytes, note="one rank, peer slots looped back; baseline: torch + CUDA graph, "
                "contiguous KV, no communication", rows=rows)

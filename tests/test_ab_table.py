@@ -30,7 +30,6 @@ def test_labels_name_what_varied():
     assert label(dict(base, defines=["MK_ATTN_EARLY=1", "MK_ATTN_SPREAD=1"], qkv_pairs=8, gu_splits=2)) == \
         "MK_ATTN_EARLY=1 MK_ATTN_SPREAD=1 --qkv-pairs 8 --gu-splits 2"
     assert label(dict(base, splits=64, bucket=128)) == "--splits 64 --bucket 128"
-    assert label(dict(base, splits=128, split_min=64)) == "--splits 128 --split-min 64"
 
 
 def test_passes_grouped_and_compared_to_the_first_variant(tmp_path):

@@ -9,7 +9,7 @@ from _mk_helpers import (empty_caches, random_shards, shards_for, stable_topk, t
                          tie_topk_ids, topk_near_ties, with_lm_head)
 from tpmk.config import ModelConfig
 from tpmk.kernels.interpreter import VM
-from tpmk.kernels.isa import MAX_SPLITS, MMA_MIN_BATCH, NTHREADS, SPLIT_MIN_TOKENS, TOPK
+from tpmk.kernels.isa import MAX_SPLITS, MMA_MIN_BATCH, NTHREADS, TOPK
 from tpmk.kernels.schedule import build_schedule
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [3, 8, 11], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
@@ -26,12 +26,10 @@ def _tol(batch: int) -> float:
     return 2e-3 if batch < MMA_MIN_BATCH else 1e-2
 
 
-def _pair(cfg, tp, bucket, shards_cpu, sms=None, splits=0, reduce="oneshot", gu_splits=1,
-          split_min=SPLIT_MIN_TOKENS):
+def _pair(cfg, tp, bucket, shards_cpu, sms=None, splits=0, reduce="oneshot", gu_splits=1):
     from tpmk.kernels.megakernel import Megakernel
     sms = sms or min(16, torch.cuda.get_device_properties(0).multi_processor_count // tp)
-    sched = build_schedule(cfg, tp, bucket, sms, num_splits=splits, reduce=reduce, gu_splits=gu_splits,
-                           split_min=split_min)
+    sched = build_schedule(cfg, tp, bucket, sms, num_splits=splits, reduce=reduce, gu_splits=gu_splits)
     n_pages = bucket * PAGES_PER_SEQ
     kc, vc = empty_caches(cfg, tp, n_pages, PAGE, dtype=torch.bfloat16)
     vm = VM(cfg, sched, shards_cpu, kc, vc)
@@ -88,43 +86,36 @@ def test_tiny_matches_interpreter_64_steps(name, tp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,split_min", [(1, SPLIT_MIN_TOKENS), (32, SPLIT_MIN_TOKENS),
-                                              (MAX_SPLITS, SPLIT_MIN_TOKENS), (MAX_SPLITS, 1)])
-def test_attention_split_extremes(splits, split_min):
-    """One split (no merge), 32 and MAX_SPLITS: these prompts of at most ~44 tokens fill one or
-    two splits of SPLIT_MIN_TOKENS, and the merge reads only those; the other splits are empty
-    (they still draw their tickets). split_min 1 (its own build, MK_SPLIT_MIN=1) fills one
-    split per token: up to ~44 of the merge's lanes, two splits on some."""
+@pytest.mark.parametrize("splits", [1, 32, MAX_SPLITS])
+def test_attention_split_extremes(splits):
+    """One split (no merge), 32 (one per lane of the merge's warp) and MAX_SPLITS (four per
+    lane); most splits see one or no token of these short prompts."""
     cfg = ModelConfig.from_name("llama-3.2-1b").replace(num_hidden_layers=2)
     shards = random_shards(cfg, 8, seed=3)
-    vm, mk = _pair(cfg, 8, 2, shards, splits=splits, split_min=split_min)
+    vm, mk = _pair(cfg, 8, 2, shards, splits=splits)
     worst = _compare_run(vm, mk, [[1, 2, 3, 128000], [77, 66]], 40, f"1b tp8 splits {splits}")
-    print(f"llama-3.2-1b shapes tp8, {splits} attention splits of >= {split_min} tokens: "
-          f"max rel logit err {worst:.2e}")
+    print(f"llama-3.2-1b shapes tp8, {splits} attention splits: max rel logit err {worst:.2e}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,heads,kv_heads,tp,splits,batch,dtype,ctx0", [
-    (128, 64, 8, 8, 1, 3, "bfloat16", 300),   # Llama-3-70B's per-rank group (G = 8, D = 128), up to 12 chunks of 64
-    (128, 64, 8, 8, 3, 6, "bfloat16", 300),   # 3 splits, tensor-core batch
-    (64, 16, 4, 1, 0, 2, "bfloat16", 300),    # G = 4, D = 64, splits chosen by the scheduler
-    (64, 32, 8, 2, 2, 5, "bfloat16", 300),
-    (128, 64, 8, 8, 1, 3, "float32", 300),    # the f32 build: 64-token chunks
-    (128, 64, 8, 8, 96, 1, "bfloat16", 300),  # 96 splits, 10 of them filled (SPLIT_MIN_TOKENS each)
-    (128, 64, 8, 8, 96, 1, "bfloat16", 3000),   # 94 of 96 splits filled: the merge's lanes take three
-    (128, 64, 8, 8, MAX_SPLITS, 2, "bfloat16", 4096),   # all 128 filled at batch 2: four per lane
+@pytest.mark.parametrize("head_dim,heads,kv_heads,tp,splits,batch,dtype", [
+    (128, 64, 8, 8, 1, 3, "bfloat16"),   # Llama-3-70B's per-rank group (G = 8, D = 128), up to 12 chunks of 64
+    (128, 64, 8, 8, 3, 6, "bfloat16"),   # 3 splits, tensor-core batch
+    (64, 16, 4, 1, 0, 2, "bfloat16"),    # G = 4, D = 64, splits chosen by the scheduler
+    (64, 32, 8, 2, 2, 5, "bfloat16"),
+    (128, 64, 8, 8, 1, 3, "float32"),    # the f32 build: 64-token chunks
+    (128, 64, 8, 8, 96, 1, "bfloat16"),  # 96 splits of ~3 tokens: the merge's lanes take three each
 ])
-def test_attention_long_context(head_dim, heads, kv_heads, tp, splits, batch, dtype, ctx0):
-    """Contexts of 300-727 tokens (the first one ctx0) over random K/V caches on shuffled
-    pages: several shared-memory chunks per split (the double-buffered cp.async path, the
-    online softmax across chunks, last chunks of every length), and splits from one to
-    MAX_SPLITS filled. The attention output and the logits are compared with the
-    interpreter's, which reads the same caches."""
+def test_attention_long_context(head_dim, heads, kv_heads, tp, splits, batch, dtype):
+    """Contexts of 300-727 tokens over random K/V caches on shuffled pages: several
+    shared-memory chunks per split (the double-buffered cp.async path, the online softmax
+    across chunks, last chunks of every length). The attention output and the logits are
+    compared with the interpreter's, which reads the same caches."""
     cfg = ModelConfig.from_name("tiny-gqa").replace(
         dtype=dtype, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
     shards = random_shards(cfg, tp, seed=head_dim + tp, dtype=getattr(torch, dtype))
-    ctxs = [ctx0, 727, 512, 385, 129, 640][:batch]
+    ctxs = [300, 727, 512, 385, 129, 640][:batch]
     per_seq = (max(ctxs) + PAGE - 1) // PAGE
     n_pages = batch * per_seq
     g = torch.Generator().manual_seed(11)

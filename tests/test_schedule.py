@@ -5,7 +5,6 @@ from collections import Counter
 import pytest
 
 from tpmk.config import ModelConfig
-from tpmk.kernels.ops.attention import active_splits, split_range
 from tpmk.kernels.schedule import HOP_S, LINK_BYTES_PER_S, build_schedule, choose_reduce
 
 CASES = [("tiny", 1, 1, 3), ("tiny", 8, 4, 5), ("tiny-gqa", 4, 3, 7), ("llama-3.2-1b", 1, 8, 132),
@@ -175,25 +174,3 @@ def test_intermediate_size_must_divide_by_tp():
     cfg = ModelConfig.from_name("tiny").replace(intermediate_size=386)
     with pytest.raises(ValueError, match="tp=4 does not divide intermediate_size=386"):
         build_schedule(cfg, 4, 1, 8)
-
-
-def test_split_ranges_cover_the_context_with_the_filled_splits_first():
-    """Every token in exactly one split, in order; the filled splits are the first
-    active_splits, each but the last split_min tokens or more; no more splits than asked."""
-    for ctx in list(range(1, 300)) + [1023, 1024, 4096, 8191]:
-        for S in (1, 2, 3, 32, 64, 128):
-            for m in (1, 2, 32, 64):
-                ranges = [split_range(ctx, s, S, m) for s in range(S)]
-                filled = [r for r in ranges if r[1] > r[0]]
-                n = active_splits(ctx, S, m)
-                assert filled == ranges[:n], (ctx, S, m)
-                assert [t for a, b in filled for t in range(a, b)] == list(range(ctx)), (ctx, S, m)
-                assert all(b - a >= min(m, ctx) for a, b in filled[:-1]), (ctx, S, m)
-                assert n <= S, (ctx, S, m)
-                if m >= -(-ctx // S):   # a short context: as few splits as split_min allows
-                    assert n == -(-ctx // m), (ctx, S, m)
-
-
-def test_split_min_must_be_positive():
-    with pytest.raises(ValueError, match="split_min=0 must be >= 1"):
-        build_schedule(ModelConfig.from_name("tiny"), 1, 1, 4, split_min=0)

@@ -68,7 +68,7 @@ class VM:
         check_vocab(cfg.vocab_size)
         self.cfg, self.sched, self.tp = cfg, sched, sched.tp
         self.q_heads, self.kv_heads = local_heads(cfg, sched.tp)
-        self.head_dim, self.num_splits, self.split_min = cfg.head_dim, sched.num_splits, sched.split_min
+        self.head_dim, self.num_splits = cfg.head_dim, sched.num_splits
         self.inter = cfg.intermediate_size // sched.tp
         self.vocab_size = cfg.vocab_size
         self.attn_scale = cfg.head_dim ** -0.5

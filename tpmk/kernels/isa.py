@@ -46,8 +46,6 @@ ATTN_CHUNK = 128          # attention: most tokens per chunk (the scores' row st
 ATTN_PAGES = ATTN_CHUNK + 4  # attention: page numbers of one chunk (page size 1: ATTN_CHUNK), padded
 ATTN_KV_BYTES = 32768     # attention: most bytes of one K (or V) chunk in shared memory
 MAX_SPLITS = 128          # attention splits per (sequence, kv head): the merge's lanes take 4 each
-SPLIT_MIN_TOKENS = 32     # attention: fewest tokens of a non-empty split (ops/attention.py split_range),
-                          # so short contexts fill fewer splits and the merge reads only those
 MMA_PASS = 128            # tensor-core matvec: batch rows per pass (n-tiles of 8): batch 128 streams
                           # each weight tile once
 MMA_KC1 = 4096            # tensor-core K chunk with one n-tile; with NT n-tiles it is MMA_KC1 / NT
@@ -251,7 +249,6 @@ def generate_header() -> str:
         f"constexpr int ATTN_CHUNK = {ATTN_CHUNK};",
         f"constexpr int ATTN_PAGES = {ATTN_PAGES};",
         f"constexpr int MAX_SPLITS = {MAX_SPLITS};",
-        f"constexpr int SPLIT_MIN_TOKENS = {SPLIT_MIN_TOKENS};",
         f"constexpr int MMA_PASS = {MMA_PASS};",
         f"constexpr int MMA_KC1 = {MMA_KC1};",
         f"constexpr int MMA_OUT_AT = {MMA_OUT_AT};",

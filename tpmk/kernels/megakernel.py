@@ -187,8 +187,6 @@ class Megakernel:
             raise ValueError(f"virtual TP needs all tp={sched.tp} shards in one process, got {n_local}")
         if sched.gu_splits > 1:   # the K-split gate_up's code only where a schedule uses it
             defines = (*defines, "MK_GU_SPLIT")
-        if sched.split_min != isa.SPLIT_MIN_TOKENS:   # the attention's split length: a constant
-            defines = (*defines, f"MK_SPLIT_MIN={sched.split_min}")
         if loopback and sched.reduce != "oneshot":
             raise ValueError(f"loopback runs one rank alone, but reduce={sched.reduce!r} needs the "
                              f"other ranks' owner tiles; build the schedule with reduce='oneshot'")

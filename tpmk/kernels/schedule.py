@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpmk.config import REDUCE_CHOICES, ModelConfig
-from tpmk.kernels.isa import INSTR_WORDS, NO_COUNTER, SPLIT_MIN_TOKENS
+from tpmk.kernels.isa import INSTR_WORDS, NO_COUNTER
 from tpmk.kernels.ops import (Act, Argmax, Attention, Down, Embed, GateUp, Instruction, LmHead,
                               OProj, Qkv, Residual)
 from tpmk.partition.weights import local_heads, padded_vocab
@@ -50,7 +50,6 @@ class Schedule:
     counter_names: list[str] = field(default_factory=list)
     stage_names: list[str] = field(default_factory=list)   # stage number (ARG4) -> "qkv[layer 3]"
     gu_splits: int = 1                         # gate_up's K slices (1: whole rows, no ACT stage)
-    split_min: int = SPLIT_MIN_TOKENS          # fewest tokens of a non-empty attention split
 
     @property
     def num_counters(self) -> int:
@@ -137,7 +136,7 @@ class _Counters:
 
 def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
                    num_splits: int = 0, reduce: str = "oneshot", qkv_pairs: int = 0,
-                   gu_splits: int = 1, split_min: int = SPLIT_MIN_TOKENS) -> Schedule:
+                   gu_splits: int = 1) -> Schedule:
     """reduce: how the o_proj / down partial sums meet.
       "oneshot": every rank pushes its partial of every hidden tile to every rank, which
         sums all tp partials itself (one hop; tp x the traffic).
@@ -157,10 +156,6 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
       per layer, ACT added 5.5, the traced step 0.6 % shorter; S = 4 needs two batch passes
       there and took the traced step from 29.5 to 37.4 ms (timed: 31.80 -> 40.04). Not worth
       a second compiled kernel: default 1.
-    split_min: fewest tokens of a non-empty attention split (ops/attention.py split_range):
-      a ctx-token context fills only its first ceil(ctx / max(ceil(ctx / num_splits),
-      split_min)) splits, and the merge reads only those. A value other than
-      isa.SPLIT_MIN_TOKENS compiles its own kernel (MK_SPLIT_MIN; bench/decode.py --split-min).
     """
     if bucket < 1 or num_sms < 1:
         raise ValueError(f"bucket={bucket} and num_sms={num_sms} must be >= 1")
@@ -180,8 +175,6 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
     if gu_splits < 1 or (gu_splits > 1 and H % (8 * gu_splits)):   # 1: whole rows, any H
         raise ValueError(f"gu_splits={gu_splits}: hidden_size={H} must split into gu_splits slices of "
                          f"a multiple of 8 columns; use a divisor of {H // 8}")
-    if split_min < 1:
-        raise ValueError(f"split_min={split_min} must be >= 1 (tokens of a non-empty attention split)")
     inter, vp = cfg.intermediate_size // tp, padded_vocab(cfg, tp) // tp
     if num_splits == 0:  # enough attention tiles to cover the SMs: at most 64 splits for one
         # (sequence, kv head) pair, 32 otherwise. Batch 1 of a 70B tp=8 rank on an H100, three
@@ -277,5 +270,5 @@ def build_schedule(cfg: ModelConfig, tp: int, bucket: int, num_sms: int,
                     h_tile=h_tiles[0][1], n_h_tiles=nh, n_lm_tiles=len(lm_tiles),
                     instructions=flat, queue_start=starts, counter_names=ctr.names,
                     stage_names=[f"{st[0].name}[layer {st[0].layer}]" for st in stages],
-                    gu_splits=gu_splits, split_min=split_min)
+                    gu_splits=gu_splits)
 

@@ -15,7 +15,6 @@ constexpr int BATCH_CHUNK = 4;
 constexpr int ATTN_CHUNK = 128;
 constexpr int ATTN_PAGES = 132;
 constexpr int MAX_SPLITS = 128;
-constexpr int SPLIT_MIN_TOKENS = 32;
 constexpr int MMA_PASS = 128;
 constexpr int MMA_KC1 = 4096;
 constexpr int MMA_OUT_AT = 36992;

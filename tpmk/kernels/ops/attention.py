@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tpmk.kernels.isa import NO_COUNTER, Opcode
+from tpmk.kernels.isa import NEG_INF, NO_COUNTER, Opcode
 from tpmk.kernels.ops.base import Instruction
 
 
@@ -15,22 +15,11 @@ def merge_splits(part: torch.Tensor, head_dim: int) -> torch.Tensor:
     return out.reshape(part.shape[0], -1)
 
 
-def split_tokens(ctx: int, num_splits: int, split_min: int) -> int:
-    """Tokens per split: ctx cut into num_splits equal pieces of at least split_min."""
-    return max((ctx + num_splits - 1) // num_splits, split_min)
-
-
-def split_range(ctx: int, split: int, num_splits: int, split_min: int) -> tuple[int, int]:
-    """Token range [t0, t1) of one split; the non-empty ones are the first
-    active_splits(ctx, num_splits, split_min)."""
-    per = split_tokens(ctx, num_splits, split_min)
+def split_range(ctx: int, split: int, num_splits: int) -> tuple[int, int]:
+    """Token range [t0, t1) of one split: ctx tokens cut into num_splits equal chunks."""
+    per = (ctx + num_splits - 1) // num_splits
     t0 = min(ctx, split * per)
     return t0, min(ctx, t0 + per)
-
-
-def active_splits(ctx: int, num_splits: int, split_min: int) -> int:
-    """How many splits of a ctx-token context hold tokens (the merge reads only those)."""
-    return -(-ctx // split_tokens(ctx, num_splits, split_min))
 
 
 class Attention(Instruction):
@@ -40,10 +29,9 @@ class Attention(Instruction):
     Writes for each query head h of group g the unnormalised partial
     attn_part[b, h, split] = (acc[D], m, l) with m the max score and
     l = sum exp(score - m), then takes a ticket: the split that draws a multiple of
-    num_splits finished last and merges the group's filled splits (split_range: the first
-    active_splits) into attn_out[b, heads of g] (once per group, not in every O_PROJ tile).
-    An empty split writes no partial but takes its ticket. Sequences b >= batch are no-ops
-    (they still signal, so counts do not depend on the batch).
+    num_splits finished last and merges the group's splits into attn_out[b, heads of g]
+    (once per group, not in every O_PROJ tile). Sequences b >= batch are no-ops (they
+    still signal, so counts do not depend on the batch).
     """
     opcode = Opcode.ATTENTION
     name = "attention"
@@ -54,15 +42,18 @@ class Attention(Instruction):
             return
         st, D = vm.ranks[rank], vm.head_dim
         G = vm.q_heads // vm.kv_heads
-        t0, t1 = split_range(vm.positions[b] + 1, split, vm.num_splits, vm.split_min)
-        if t1 > t0:   # an empty split writes nothing: the merge reads the filled ones only
-            self._partial(vm, st, b, g, G, t0, t1, st.attn_part[b, g * G:(g + 1) * G, split])
+        t0, t1 = split_range(vm.positions[b] + 1, split, vm.num_splits)
+        part = st.attn_part[b, g * G:(g + 1) * G, split]                      # [G, D + 2]
+        if t1 <= t0:
+            part[:, :D], part[:, D], part[:, D + 1] = 0.0, NEG_INF, 0.0
+        else:
+            self._partial(vm, st, b, g, G, t0, t1, part)
         if self.arg2 != NO_COUNTER:   # the ticket (a counter nothing waits on)
             vm.counters[rank][self.arg2] += 1
             if vm.counters[rank][self.arg2] % vm.num_splits:
                 return
-        heads, n = slice(g * G, (g + 1) * G), active_splits(vm.positions[b] + 1, vm.num_splits, vm.split_min)
-        st.attn_out[b].view(-1, D)[heads] = merge_splits(st.attn_part[b:b + 1, heads, :n], D).view(G, D)
+        heads = slice(g * G, (g + 1) * G)
+        st.attn_out[b].view(-1, D)[heads] = merge_splits(st.attn_part[b:b + 1, heads], D).view(G, D)
 
     @staticmethod
     def tensor_cores(vm, G: int) -> bool:

@@ -38,21 +38,12 @@ __device__ __forceinline__ void lds_oct(const char* p, float* f) {
 }
 
 // attn_out[b, (g G + h) D + d] = sum_s coef[h, s] acc_s[d] with coef[h, s] = e^(m_s - M) / sum_s'
-// e^(m_s' - M) l_s' (M: the max of m over the splits); part: the group's [G, S, D + 2], of which
-// the first n splits hold tokens (the others' partials are not read).
+// e^(m_s' - M) l_s' (M: the max of m over the splits); part: the group's [G, S, D + 2].
 // Each output float4 is summed over the splits by P = NTHREADS / (G D / 4) threads (each
 // split's loads issued together: one round trip at batch 1), then in fixed order.
 constexpr int MERGE_UNROLL = 16;
-// Fewest tokens of a non-empty split: the schedule's split_min (Megakernel defines MK_SPLIT_MIN
-// where it is not isa::SPLIT_MIN_TOKENS).
-#ifdef MK_SPLIT_MIN
-constexpr int SPLIT_MIN = MK_SPLIT_MIN;
-#else
-constexpr int SPLIT_MIN = isa::SPLIT_MIN_TOKENS;
-#endif
 // bf (or null): also out in bf16, for o_proj's tensor cores.
-__device__ void merge_group(const KernelArgs& a, const float* part, int n, float* out, __nv_bfloat16* bf,
-                            float* smem) {
+__device__ void merge_group(const KernelArgs& a, const float* part, float* out, __nv_bfloat16* bf, float* smem) {
   auto put = [&](int o, float4 r) {
     reinterpret_cast<float4*>(out)[o] = r;
     if (bf) store_bf16x4(bf, 4 * o, r);
@@ -68,20 +59,20 @@ __device__ void merge_group(const KernelArgs& a, const float* part, int n, float
 #pragma unroll
     for (int j = 0; j < SL; j++) {
       const int s = lane + 32 * j;
-      m[j] = s < n ? ld_act(p + s * (D + 2)) : isa::NEG_INF;
-      l[j] = s < n ? ld_act(p + s * (D + 2) + 1) : 0.f;
+      m[j] = s < S ? ld_act(p + s * (D + 2)) : isa::NEG_INF;
+      l[j] = s < S ? ld_act(p + s * (D + 2) + 1) : 0.f;
       mx = fmaxf(mx, m[j]);
     }
     const float M = warp_max(mx);
 #pragma unroll
     for (int j = 0; j < SL; j++) {
-      m[j] = lane + 32 * j < n ? expf(m[j] - M) : 0.f;   // e_s
+      m[j] = lane + 32 * j < S ? expf(m[j] - M) : 0.f;   // e_s
       sl += m[j] * l[j];
     }
     const float inv = 1.f / warp_sum(sl);
 #pragma unroll
     for (int j = 0; j < SL; j++)
-      if (lane + 32 * j < n) coef[h * S + lane + 32 * j] = m[j] * inv;
+      if (lane + 32 * j < S) coef[h * S + lane + 32 * j] = m[j] * inv;
   }
   __syncthreads();
   prof_mark(a, 15);   // the merge's coefficients (the splits' m, l loaded)
@@ -90,7 +81,7 @@ __device__ void merge_group(const KernelArgs& a, const float* part, int n, float
     const float* p = part + (size_t)h * S * (D + 2) + d;
     float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll MERGE_UNROLL
-    for (int s = q; s < n; s += P) {
+    for (int s = q; s < S; s += P) {
       const float2 u = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2)));
       const float2 v = __ldcg(reinterpret_cast<const float2*>(p + s * (D + 2) + 2));
       const float w = coef[h * S + s];
@@ -131,8 +122,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   const bool tc = attn_tc(batch, G, D);   // scores and P.V on the tensor cores
   const int* pos = hdr + isa::HDR_TOKENS + a.bucket;
   const int* pages = pos + a.bucket + b * a.max_pages;
-  // splits of at least SPLIT_MIN tokens: the first ns hold tokens (ops/attention.py split_range)
-  const int ctx = pos[b] + 1, per = max((ctx + S - 1) / S, SPLIT_MIN), ns = (ctx + per - 1) / per;
+  const int ctx = pos[b] + 1, per = (ctx + S - 1) / S;
   const int t0 = min(ctx, split * per), t1 = min(ctx, t0 + per);
   const int nchunks = (t1 - t0 + CH - 1) / CH;
   // Shared memory (f32 words after the reduction scratch; megakernel.py smem_bytes sizes it):
@@ -366,7 +356,7 @@ __device__ __noinline__ void op_attention(const KernelArgs& a, const int* ins, c
   prof_mark(a, 14);   // the partial stored and the ticket drawn
   if (last) {
     const size_t off = ((size_t)b * a.q_heads + g * G) * D;
-    merge_group(a, part, ns, reinterpret_cast<float*>(a.attn_out) + off,
+    merge_group(a, part, reinterpret_cast<float*>(a.attn_out) + off,
                 mma_batch(batch) ? reinterpret_cast<__nv_bfloat16*>(a.attn_bf) + off : nullptr, smem);
   }
 }
