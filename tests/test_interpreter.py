@@ -204,6 +204,27 @@ def test_vm_refuses_a_bad_header_or_shards():
         VM(cfg, build_schedule(cfg, 2, 2, 4), shards[:1], kc[:1], vc[:1])
 
 
+@pytest.mark.parametrize("what", ["tokens", "top-k"])
+def test_ranks_that_disagree_are_an_error(monkeypatch, what):
+    """Every rank merges the same candidates into the same tokens and top-k; a rank whose
+    argmax differs (a corrupted copy) makes the step fail, naming the rank."""
+    from tpmk.kernels.ops import Argmax
+    real = Argmax.execute
+
+    def skewed(self, vm, rank):
+        real(self, vm, rank)
+        if rank == 1:
+            st = vm.ranks[rank]
+            if what == "tokens":
+                st.tokens_out[:vm.batch] += 1
+            else:
+                st.topk_values[:vm.batch, -1] -= 1.0
+    monkeypatch.setattr(Argmax, "execute", skewed)
+    vm = _vm("tiny", 2, 2, 4)
+    with pytest.raises(RuntimeError, match=f"rank 1 {'tokens' if what == 'tokens' else 'top-'}"):
+        vm.step([1, 2], [0, 0], [[0], [1]])
+
+
 def test_each_rank_s_first_embedding_row_and_the_padded_vocab():
     """Token 0 and token vp (the first row of rank 1's vocab slice: tiny-gqa's 500 ids pad to
     2 x 256 at tp 2) against HF; at a bf16-free float32 step no padded id (>= 500) is ever
