@@ -246,19 +246,19 @@ MODEL_REGISTRY: dict[str, ModelConfig] = {
 
 
 def _tensor_dtype(model_dir: Path) -> str:
-    """The dtype of a checkpoint's first tensor, from its first safetensors file's header
-    (bfloat16 when there is none to read: the loader then says what is missing)."""
-    import struct
+    """The dtype of the first-named tensor in a checkpoint's first file, read as the loader
+    reads it (safe_open: the header only); bfloat16 when there is none to read (the loader
+    then says what is missing)."""
+    from safetensors import safe_open
     from tpmk.partition.loader import ST_DTYPES, checkpoint_files
     try:
         first = checkpoint_files(model_dir)[0]
     except FileNotFoundError:
         return "bfloat16"
-    with open(first, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    tags = [v["dtype"] for k, v in header.items() if k != "__metadata__"]
-    return ST_DTYPES.get(tags[0], "bfloat16") if tags else "bfloat16"
+    with safe_open(str(first), framework="pt", device="cpu") as h:
+        names = list(h.keys())
+        tag = h.get_slice(names[0]).get_dtype() if names else "BF16"
+    return ST_DTYPES.get(tag, "bfloat16")
 
 
 REDUCE_MODES = ("oneshot", "rsag")   # how o_proj / down partial sums meet (kernels/schedule.py)

@@ -159,9 +159,7 @@ def _chat_ids(body: dict, model: ModelInfo) -> list[int]:
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string", "messages", "invalid_type")
         norm.append({"role": m["role"], "content": content})
-    chars = sum(len(m["content"]) for m in norm)
-    if chars > MAX_CHARS_PER_TOKEN * model.max_seq_len:
-        raise _too_long(chars, model.max_seq_len, "messages")
+    _check_chars(sum(len(m["content"]) for m in norm), model.max_seq_len, "messages")
     try:
         return model.render_chat(norm)
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault
@@ -169,16 +167,17 @@ def _chat_ids(body: dict, model: ModelInfo) -> list[int]:
                    "invalid_value") from None
 
 
-def _too_long(chars: int, max_seq_len: int, param: str) -> APIError:
-    return _bad(f"the {param} holds {chars} characters, more than {MAX_CHARS_PER_TOKEN} per token "
-                f"of this model's maximum context length of {max_seq_len} tokens (--max-seq-len); "
-                f"shorten it", param, "context_length_exceeded")
+def _check_chars(chars: int, max_seq_len: int, param: str) -> None:
+    """Refuse text that cannot fit before spending the time to tokenize it."""
+    if chars > MAX_CHARS_PER_TOKEN * max_seq_len:
+        raise _bad(f"the {param} holds {chars} characters, more than {MAX_CHARS_PER_TOKEN} per "
+                   f"token of this model's maximum context length of {max_seq_len} tokens "
+                   f"(--max-seq-len); shorten it", param, "context_length_exceeded")
 
 
 def _encode(encode: Callable[[str], list[int]], text: str, max_seq_len: int, param: str) -> list[int]:
-    """Tokenize text, refusing what cannot fit before spending the time on it."""
-    if len(text) > MAX_CHARS_PER_TOKEN * max_seq_len:
-        raise _too_long(len(text), max_seq_len, param)
+    """Tokenize text, refusing what cannot fit (_check_chars) or what the tokenizer refuses."""
+    _check_chars(len(text), max_seq_len, param)
     try:
         return encode(text)
     except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate ("\ud800") the tokenizer refuses
